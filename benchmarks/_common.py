@@ -1,0 +1,54 @@
+"""Shared benchmark helpers: timing, tables, and running a snippet in the seed library's venv.
+
+The seed libraries (genlm-backend 0.3.1, genlm-bytes 0.2.0) live in their own virtualenv so that
+they never mix with ours: ``bash benchmarks/seed_venv.sh`` creates ``.seedvenv``; set
+``GENLM_SEED_PYTHON`` to use another interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def seed_python() -> str | None:
+    """The seed venv's interpreter, or None when it is not installed."""
+    path = os.environ.get("GENLM_SEED_PYTHON", str(ROOT / ".seedvenv" / "bin" / "python"))
+    return path if Path(path).exists() else None
+
+
+def run_seed(code: str, timeout: float = 3600) -> dict:
+    """Run ``code`` in the seed venv; it must print one JSON object on its last line."""
+    python = seed_python()
+    if python is None:
+        raise RuntimeError("seed venv not found: run `bash benchmarks/seed_venv.sh` or set GENLM_SEED_PYTHON")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"seed snippet failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def best_of(fn: Callable[[], object], repeat: int = 5, number: int = 1) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` rounds of ``number`` calls."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t0) / number)
+    return statistics.median(times)
+
+
+def fmt_s(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"

@@ -1,0 +1,37 @@
+"""genlm-core: async, autobatched language models for probabilistic programs, with backend plugins."""
+
+from genlm_core.batching import AutoBatcher, Failed
+from genlm_core.cache import OutputCache
+from genlm_core.config import BackendOptions, ModelConfig
+from genlm_core.errors import BackendNotFoundError, GenlmError, OptionsError, PluginConflictError, VocabDecodingError
+from genlm_core.hookspecs import hookimpl
+from genlm_core.lm import AsyncLM, Request, logits_to_logprobs
+from genlm_core.loading import default_backend, load_model, load_model_by_name
+from genlm_core.plugins import get_plugins
+from genlm_core.registry import Register
+from genlm_core.tokenization import Token, decode_vocab, decode_vocabulary
+
+__all__ = [
+    "AsyncLM",
+    "AutoBatcher",
+    "BackendNotFoundError",
+    "BackendOptions",
+    "Failed",
+    "GenlmError",
+    "ModelConfig",
+    "OptionsError",
+    "OutputCache",
+    "PluginConflictError",
+    "Register",
+    "Request",
+    "Token",
+    "VocabDecodingError",
+    "decode_vocab",
+    "decode_vocabulary",
+    "default_backend",
+    "get_plugins",
+    "hookimpl",
+    "load_model",
+    "load_model_by_name",
+    "logits_to_logprobs",
+]

@@ -1,0 +1,81 @@
+"""The one output cache: an LRU map from request keys to tensors, bounded by entries and bytes."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+
+def _nbytes(value: Any) -> int:
+    if hasattr(value, "nbytes"):
+        return int(value.nbytes)
+    if hasattr(value, "element_size"):
+        return int(value.element_size() * value.nelement())
+    return 0
+
+
+class OutputCache:
+    """Least-recently-used cache of computed outputs.
+
+    Bounded by ``maxsize`` entries and, optionally, ``max_bytes`` of tensor data (the newest entry
+    is always kept). With ``move_to_cpu`` torch tensors are copied to CPU memory as they are stored.
+    Keys must carry everything that changes the output (token ids, active adapter, ...).
+    Thread-safe: backends fill it from their worker thread.
+    """
+
+    def __init__(self, maxsize: int = 1024, max_bytes: int | None = None, move_to_cpu: bool = False):
+        if maxsize < 0 or (max_bytes is not None and max_bytes < 0):
+            raise ValueError("cache bounds must be >= 0")
+        self.maxsize = maxsize
+        self.max_bytes = max_bytes
+        self.move_to_cpu = move_to_cpu
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable, default: Any = None) -> Any:
+        """The value for ``key`` (now most recently used), or ``default``."""
+        with self._lock:
+            try:
+                value = self._data[key]
+            except KeyError:
+                self.misses += 1
+                return default
+            self._data.move_to_end(key)
+            self.hits += 1
+            return value
+
+    def put(self, key: Hashable, value: Any) -> Any:
+        """Store ``value`` (moved to CPU if asked) and evict the least recently used beyond bounds."""
+        if self.maxsize == 0:
+            return value
+        if self.move_to_cpu and hasattr(value, "cpu"):
+            value = value.cpu()
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.nbytes -= _nbytes(old)
+            self._data[key] = value
+            self.nbytes += _nbytes(value)
+            while len(self._data) > 1 and (
+                len(self._data) > self.maxsize or (self.max_bytes is not None and self.nbytes > self.max_bytes)
+            ):
+                _, evicted = self._data.popitem(last=False)
+                self.nbytes -= _nbytes(evicted)
+        return value
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.nbytes = 0

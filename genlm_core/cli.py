@@ -1,0 +1,143 @@
+"""The ``genlm`` command: list backends and their options, print next-token distributions."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from genlm_core.errors import GenlmError
+from genlm_core.plugins import get_plugins
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width text table."""
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _version(distribution: str | None) -> str:
+    if not distribution:
+        return "-"
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    plugins = get_plugins()
+    rows = []
+    for kind, specs in (("backend", plugins.backends()), ("trie engine", plugins.trie_engines())):
+        for name, spec in sorted(specs.items()):
+            reason = spec.unavailable_reason()
+            rows.append(
+                [
+                    name,
+                    kind,
+                    spec.distribution or spec.plugin,
+                    _version(spec.distribution),
+                    "yes" if reason is None else f"no: {reason}",
+                    spec.description,
+                ]
+            )
+    print(table(["name", "kind", "distribution", "version", "runs here", "description"], rows))
+    if plugins.failures:
+        print("\nplugins that failed to load:")
+        print(
+            table(
+                ["plugin", "distribution", "error"],
+                [[f.plugin, f.distribution or "-", f.error] for f in plugins.failures],
+            )
+        )
+    return 0
+
+
+def cmd_options(args: argparse.Namespace) -> int:
+    spec = get_plugins().backend(args.backend)
+    rows = []
+    for name, field in spec.options.model_fields.items():
+        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        rows.append([name, annotation, default, field.description or ""])
+    print(f"options of backend {spec.name!r} ({spec.options.__name__}):")
+    print(table(["option", "type", "default", "description"], rows))
+    return 0
+
+
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"option {text!r} must look like key=value")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
+
+
+def cmd_logprobs(args: argparse.Namespace) -> int:
+    from genlm_core.loading import load_model_by_name
+
+    lm = load_model_by_name(args.model, args.backend, dict(args.option or []))
+    with lm:
+        ids = list(lm.tokenizer.encode(args.text, add_special_tokens=not args.no_special_tokens))
+        logprobs = lm.next_token_logprobs_sync(ids)
+        top = logprobs.topk(min(args.top, logprobs.numel()))
+        rows = [
+            [rank + 1, i, repr(bytes(lm.byte_vocab[i])), f"{lp:.4f}", f"{pow(2.718281828459045, lp):.4f}"]
+            for rank, (lp, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()))
+        ]
+    print(f"context: {len(ids)} tokens; top {len(rows)} next tokens")
+    print(table(["rank", "id", "bytes", "logprob", "prob"], rows))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="genlm", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("backends", help="installed backends and trie engines, and plugins that failed").set_defaults(
+        func=cmd_backends
+    )
+    o = sub.add_parser("options", help="the options a backend accepts")
+    o.add_argument("backend")
+    o.set_defaults(func=cmd_options)
+    lp = sub.add_parser("logprobs", help="top next tokens after TEXT")
+    lp.add_argument("model", help="model name or path, as the backend understands it")
+    lp.add_argument("text")
+    lp.add_argument("--backend", "-b", default=None, help="backend name (default: the default backend)")
+    lp.add_argument("--top", "-k", type=int, default=10, help="how many tokens to show")
+    lp.add_argument(
+        "--option",
+        "-o",
+        action="append",
+        type=_parse_option,
+        metavar="KEY=VALUE",
+        help="backend option (repeatable; values are parsed as JSON when they can be)",
+    )
+    lp.add_argument("--no-special-tokens", action="store_true", help="do not add BOS/special tokens to the text")
+    lp.set_defaults(func=cmd_logprobs)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args))
+    except GenlmError as exc:
+        print(f"genlm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

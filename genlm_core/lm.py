@@ -1,0 +1,283 @@
+"""The AsyncLM protocol and the base class every backend builds on.
+
+A backend implements :meth:`AsyncLM.forward_batch` (logits for a batch of contexts) and model
+loading; validation, batching, deduplication, the output cache, float32 normalisation and the
+sampling loop are done here, once, for every backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import random
+import threading
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from genlm_core.batching import AutoBatcher, Failed
+from genlm_core.cache import OutputCache
+from genlm_core.tokenization import Token, decode_vocabulary
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class Request(NamedTuple):
+    """One next-token request: the context and the adapter active when it was made."""
+
+    token_ids: tuple[int, ...]
+    adapter: str | None = None
+
+
+def logits_to_logprobs(logits: torch.Tensor, vocab_size: int, missing_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Raw logits ``[..., W]`` (any float dtype, ``W >= vocab_size``) to float32 logprobs ``[..., vocab_size]``.
+
+    Columns past ``vocab_size`` (padded model vocabularies) are dropped before normalising; ids in
+    ``missing_ids`` get ``-inf``. The result sums to one in probability space, in float32.
+    """
+    if logits.shape[-1] < vocab_size:
+        raise ValueError(f"model returned {logits.shape[-1]} logits, fewer than the vocabulary's {vocab_size}")
+    x = logits[..., :vocab_size].to(torch.float32)
+    if missing_ids is not None and len(missing_ids):
+        x = x.index_fill(-1, missing_ids.to(x.device), float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+class AsyncLM(abc.ABC):
+    """A language model that answers next-token distributions, batched automatically.
+
+    Every logprob vector is 1-D, float32, normalised, with exactly ``len(byte_vocab)`` entries.
+    Returned tensors are shared with the output cache: treat them as read-only.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        batch_size: int = 32,
+        timeout: float = 0.02,
+        cache_size: int = 1024,
+        cache_bytes: int | None = 512 * 2**20,
+        cache_to_cpu: bool = False,
+        run_in_thread: bool = True,
+    ):
+        self.tokenizer = tokenizer
+        vocab = decode_vocabulary(tokenizer)
+        self.byte_vocab: list[Token] = vocab.byte_vocab
+        self.str_vocab: list[str] = vocab.str_vocab
+        self.vocab_size = len(self.byte_vocab)
+        self._missing_ids = torch.tensor(vocab.missing_ids, dtype=torch.long) if vocab.missing_ids else None
+        self.cache = OutputCache(cache_size, cache_bytes, move_to_cpu=cache_to_cpu)
+        self.batcher: AutoBatcher[Request, torch.Tensor] = AutoBatcher(
+            self._compute, batch_size=batch_size, timeout=timeout, run_in_thread=run_in_thread, name=type(self).__name__
+        )
+        # Serialises model work: the batcher's thread and synchronous callers never overlap.
+        self._compute_lock = threading.RLock()
+
+    # ---- what a backend implements ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor | Sequence[torch.Tensor]:
+        """Next-token logits for each request: ``[len(requests), W]`` with ``W >= vocab_size``.
+
+        Any float dtype and device. Called with validated, distinct requests, under a lock.
+        """
+
+    def clear_backend_cache(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
+        """Drop backend-held state such as KV caches (called by :meth:`clear_cache`)."""
+
+    def close_backend(self) -> None:  # noqa: B027 - optional hook
+        """Release the model and its memory (called by :meth:`cleanup`)."""
+
+    @property
+    def active_adapter(self) -> str | None:
+        """Name of the active LoRA adapter; part of every cache key. ``None`` without adapters."""
+        return None
+
+    # ---- the protocol ------------------------------------------------------------------------
+
+    def request(self, token_ids: TokenIds) -> Request:
+        """Validate ``token_ids`` and make the request (and cache key) for it.
+
+        Raises ValueError for an empty context or an id outside ``[0, len(byte_vocab))``.
+        """
+        if isinstance(token_ids, (torch.Tensor, np.ndarray)):
+            token_ids = token_ids.tolist()
+        try:
+            ids = array("q", token_ids)  # C-speed check that every id is an integer
+        except (TypeError, OverflowError) as exc:
+            raise TypeError(f"token_ids must be a sequence of ints: {exc}") from None
+        if not ids:
+            raise ValueError(
+                "token_ids is empty: a next-token distribution needs at least one context token (e.g. BOS)"
+            )
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
+            raise ValueError(f"token id {bad} at position {pos} is outside the vocabulary [0, {self.vocab_size})")
+        return Request(tuple(ids), self.active_adapter)
+
+    async def next_token_logprobs(self, token_ids: TokenIds) -> torch.Tensor:
+        """Log-probabilities of the next token after ``token_ids``, batched with concurrent calls."""
+        request = self.request(token_ids)
+        cached = self.cache.get(request)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        return await self.batcher.submit(request, request)
+
+    def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:
+        """Synchronous :meth:`next_token_logprobs` (computed directly, sharing caches and the lock)."""
+        return self._rows_sync([token_ids])[0]
+
+    async def batch_next_token_logprobs(self, token_ids_list: Iterable[TokenIds]) -> torch.Tensor:
+        """Logprobs for several contexts at once, ``[len(token_ids_list), vocab_size]``."""
+        requests = [self.request(ids) for ids in token_ids_list]
+        rows = await asyncio.gather(*(self.next_token_logprobs(r.token_ids) for r in requests))
+        return self._stack(rows)
+
+    def batch_next_token_logprobs_sync(self, token_ids_list: Iterable[TokenIds]) -> torch.Tensor:
+        """Synchronous :meth:`batch_next_token_logprobs`, in chunks of the batch size."""
+        return self._stack(self._rows_sync(token_ids_list))
+
+    def _rows_sync(self, token_ids_list: Iterable[TokenIds]) -> list[torch.Tensor]:
+        requests = [self.request(ids) for ids in token_ids_list]
+        found: dict[Request, torch.Tensor] = {}
+        todo = []
+        for r in requests:
+            if r not in found:
+                found[r] = self.cache.get(r)
+                if found[r] is None:
+                    todo.append(r)
+        size = self.batcher.batch_size
+        for start in range(0, len(todo), size):
+            chunk = todo[start : start + size]
+            for r, row in zip(chunk, self._compute(chunk)):
+                if isinstance(row, Failed):
+                    raise row.error
+                found[r] = row
+        return [found[r] for r in requests]
+
+    def _stack(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        if not rows:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32)
+        return torch.stack(rows)
+
+    def _compute(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
+        """Run the backend on distinct requests; normalise, check and cache each row."""
+        with self._compute_lock:
+            out = self.forward_batch(requests)
+        logits = out if isinstance(out, torch.Tensor) else torch.stack(list(out))
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise RuntimeError(
+                f"{type(self).__name__}.forward_batch returned shape {tuple(logits.shape)} for {len(requests)} requests"
+            )
+        logprobs = logits_to_logprobs(logits, self.vocab_size, self._missing_ids)
+        bad = torch.isnan(logprobs).any(dim=-1).tolist()
+        rows: list[torch.Tensor | Failed] = []
+        for r, row, is_bad in zip(requests, logprobs, bad):
+            if is_bad:
+                rows.append(
+                    Failed(
+                        FloatingPointError(
+                            f"{type(self).__name__} produced NaN logits for context of {len(r.token_ids)} tokens"
+                        )
+                    )
+                )
+            else:
+                rows.append(self.cache.put(r, row.clone() if len(requests) > 1 else row))
+        return rows
+
+    # ---- sampling ------------------------------------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids: TokenIds,
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[int]:
+        """Sample up to ``max_tokens`` tokens after the prompt; stop after one of ``eos_token_ids``.
+
+        Returns the generated ids (a final EOS included). ``temperature=0`` is greedy. Concurrent
+        calls are batched step by step through the same batcher.
+        """
+        context = list(self.request(prompt_token_ids).token_ids)
+        eos = self._check_sampling(max_tokens, eos_token_ids, temperature)
+        generator = torch.Generator().manual_seed(random.getrandbits(63) if seed is None else int(seed))
+        generated: list[int] = []
+        for _ in range(max_tokens):
+            logprobs = await self.next_token_logprobs(context)
+            token = sample_token(logprobs, temperature, generator)
+            generated.append(token)
+            context.append(token)
+            if token in eos:
+                break
+        return generated
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Iterable[TokenIds],
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[list[int]]:
+        """:meth:`sample` for several prompts concurrently; prompt ``i`` uses seed ``seed + i``."""
+        eos = list(eos_token_ids)
+        return list(
+            await asyncio.gather(
+                *(
+                    self.sample(p, max_tokens, eos, temperature, None if seed is None else seed + i)
+                    for i, p in enumerate(prompt_token_ids_list)
+                )
+            )
+        )
+
+    def _check_sampling(self, max_tokens: int, eos_token_ids: Iterable[int], temperature: float) -> set[int]:
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if not (temperature >= 0 and np.isfinite(temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {temperature!r}")
+        eos = {int(i) for i in eos_token_ids}
+        bad = [i for i in eos if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"eos token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
+        return eos
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def clear_cache(self) -> None:
+        """Forget every cached output and backend cache."""
+        with self._compute_lock:
+            self.cache.clear()
+            self.clear_backend_cache()
+
+    def cleanup(self) -> None:
+        """Release the model, caches and worker thread. The object is unusable afterwards."""
+        self.batcher.close()
+        with self._compute_lock:
+            self.cache.clear()
+            self.close_backend()
+
+    def __enter__(self) -> AsyncLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    async def __aenter__(self) -> AsyncLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """Draw one token id from ``logprobs`` at ``temperature`` (0 means argmax)."""
+    if temperature == 0:
+        return int(torch.argmax(logprobs))
+    probs = torch.softmax(logprobs.detach().cpu().to(torch.float64) / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,78 @@
+"""Selecting a backend and loading a model: by name, or from a validated config."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from genlm_core.config import ModelConfig
+from genlm_core.errors import BackendNotFoundError, OptionsError
+from genlm_core.lm import AsyncLM
+from genlm_core.plugins import get_plugins
+from genlm_core.registry import BackendSpec
+
+log = logging.getLogger(__name__)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def default_backend() -> str:
+    """``vllm`` if installed and CUDA is available, else ``hf``, else the only installed backend."""
+    installed = get_plugins().backends()
+    if "vllm" in installed and _cuda_available():
+        return "vllm"
+    if "hf" in installed:
+        return "hf"
+    if len(installed) == 1:
+        return next(iter(installed))
+    raise BackendNotFoundError(
+        f"no default backend: installed are [{', '.join(sorted(installed)) or 'none'}]; pass backend=... "
+        "or install one, e.g. `pip install genlm-hf`"
+    )
+
+
+def validate_options(spec: BackendSpec, options: dict[str, Any] | BaseModel | None) -> BaseModel:
+    """Validate backend options with the backend's own pydantic model; errors name option and backend."""
+    if isinstance(options, spec.options):
+        return options
+    if isinstance(options, BaseModel):
+        options = options.model_dump(exclude_unset=True)
+    try:
+        return spec.options.model_validate(options or {})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(options)"
+            if err["type"] == "extra_forbidden":
+                known = ", ".join(spec.options.model_fields)
+                problems.append(f"unknown option {where!r} (known: {known})")
+            else:
+                problems.append(f"option {where!r}: {err['msg']} (got {err.get('input')!r})")
+        raise OptionsError(f"invalid options for backend {spec.name!r}: " + "; ".join(problems)) from None
+
+
+def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str, Any] | None = None) -> AsyncLM:
+    """Load model ``name`` with ``backend`` (default: :func:`default_backend`) and options ``llm_opts``."""
+    spec = get_plugins().backend(backend or default_backend())
+    options = validate_options(spec, llm_opts)
+    log.info("loading %r with backend %r", name, spec.name)
+    lm = spec.load()(name, options)
+    if not isinstance(lm, AsyncLM):
+        raise TypeError(f"backend {spec.name!r} (plugin {spec.plugin!r}) returned {type(lm).__name__}, not an AsyncLM")
+    return lm
+
+
+def load_model(config: ModelConfig | dict[str, Any] | str | Path) -> AsyncLM:
+    """Load a model from a :class:`ModelConfig`, a dict of its fields, or a ``.toml``/``.json`` path."""
+    if isinstance(config, (str, Path)):
+        config = ModelConfig.from_file(config)
+    elif isinstance(config, dict):
+        config = ModelConfig.model_validate(config)
+    return load_model_by_name(config.model, config.backend, config.options)

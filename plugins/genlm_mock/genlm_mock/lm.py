@@ -1,0 +1,72 @@
+"""The mock language model: each context gets its own fixed, peaked random distribution."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlm_core import AsyncLM, Request
+from genlm_mock.options import MockOptions
+
+
+def load_tokenizer(name: str) -> Any:
+    """A local tokenizer folder, or a built-in offline tokenizer name (``gpt2``, ``mistral-v1``, ...)."""
+    from genlm_core.testing.tokenizers import TOKENIZERS
+    from genlm_core.testing.tokenizers import load_tokenizer as builtin
+
+    if Path(name).exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    if name in TOKENIZERS:
+        return builtin(name)
+    raise ValueError(
+        f"mock backend: {name!r} is neither a local tokenizer folder nor a built-in tokenizer ({sorted(TOKENIZERS)})"
+    )
+
+
+class MockAsyncLM(AsyncLM):
+    """Logits are a deterministic function of the whole context (and ``seed``): Gaussian with
+    standard deviation ``scale``, so distributions are non-flat and differ from context to context.
+
+    ``batches`` records the requests of every ``forward_batch`` call, so tests can observe batching.
+    """
+
+    def __init__(self, tokenizer: Any, options: MockOptions | None = None, **kwargs: Any):
+        self.options = options or MockOptions(**kwargs)
+        o = self.options
+        super().__init__(
+            tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
+        )
+        self.batches: list[list[Request]] = []
+
+    @classmethod
+    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
+        """Mock model over the tokenizer ``model_name`` (see :func:`load_tokenizer`)."""
+        return cls(load_tokenizer(model_name), MockOptions(**kwargs))
+
+    @classmethod
+    def from_options(cls, model_name: str, options: MockOptions) -> MockAsyncLM:
+        """The registry factory: options already validated."""
+        return cls(load_tokenizer(model_name), options)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The mock's raw logits for one context (what a model would return)."""
+        digest = hashlib.blake2b(
+            np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8, key=str(self.options.seed).encode()
+        ).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        width = self.vocab_size + self.options.vocab_padding
+        return rng.standard_normal(width, dtype=np.float32) * np.float32(self.options.scale)
+
+    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        self.batches.append(list(requests))
+        if self.options.delay:
+            time.sleep(self.options.delay)
+        return torch.from_numpy(np.stack([self.logits(r.token_ids) for r in requests]))

@@ -1,0 +1,187 @@
+"""The AutoBatcher: flush rules, dedup, failures, cancellation, event loops, stress."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from genlm_core import AutoBatcher, Failed
+
+
+class Recorder:
+    """A batch function that records its batches and squares its inputs."""
+
+    def __init__(self, fail_on=None, delay=0.0):
+        self.batches: list[list[int]] = []
+        self.fail_on = fail_on
+        self.delay = delay
+
+    def __call__(self, items):
+        self.batches.append(list(items))
+        if self.delay:
+            time.sleep(self.delay)
+        if self.fail_on is not None and self.fail_on in items:
+            raise ValueError(f"boom on {self.fail_on}")
+        return [x * x for x in items]
+
+
+async def test_flushes_at_batch_size_without_waiting_for_timeout():
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=4, timeout=60)
+    t0 = time.perf_counter()
+    out = await asyncio.wait_for(asyncio.gather(*(b.submit(i, i) for i in range(8))), 5)
+    assert out == [i * i for i in range(8)]
+    assert rec.batches == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert time.perf_counter() - t0 < 5
+
+
+async def test_partial_batch_flushes_after_timeout_from_first_request():
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=100, timeout=0.2)
+    t0 = time.perf_counter()
+    first = asyncio.ensure_future(b.submit(1, 1))
+    await asyncio.sleep(0.1)
+    second = asyncio.ensure_future(b.submit(2, 2))
+    assert await first == 1 and await second == 4
+    elapsed = time.perf_counter() - t0
+    assert 0.19 <= elapsed < 0.29  # measured from the *first* request, not the second
+    assert rec.batches == [[1, 2]]
+
+
+async def test_zero_timeout_still_batches_one_gather():
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=64, timeout=0)
+    await asyncio.gather(*(b.submit(i, i) for i in range(10)))
+    assert rec.batches == [list(range(10))]
+
+
+async def test_identical_requests_computed_once():
+    rec = Recorder(delay=0.05)
+    b = AutoBatcher(rec, batch_size=8, timeout=0.01, run_in_thread=True)
+    first = asyncio.gather(*(b.submit("k", 3) for _ in range(5)))
+    await asyncio.sleep(0.03)  # the first batch is now running in the worker thread
+    late = await b.submit("k", 3)  # joins the in-flight computation
+    assert await first == [9] * 5 and late == 9
+    assert rec.batches == [[3]]
+    b.close()
+
+
+async def test_exception_fails_whole_batch_and_batcher_keeps_serving():
+    rec = Recorder(fail_on=2)
+    b = AutoBatcher(rec, batch_size=3, timeout=0.01)
+    results = await asyncio.gather(*(b.submit(i, i) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(r, ValueError) and "boom on 2" in str(r) for r in results)
+    assert await asyncio.gather(*(b.submit(i, i) for i in (5, 6))) == [25, 36]
+
+
+async def test_per_item_failure_only_fails_that_item():
+    def process(items):
+        return [Failed(KeyError(x)) if x < 0 else x for x in items]
+
+    b = AutoBatcher(process, batch_size=4, timeout=0.01)
+    ok, bad = await asyncio.gather(b.submit(1, 1), b.submit(-1, -1), return_exceptions=True)
+    assert ok == 1 and isinstance(bad, KeyError)
+
+
+async def test_wrong_result_count_is_an_error_for_everyone():
+    b = AutoBatcher(lambda items: [1], batch_size=2, timeout=0.01)
+    results = await asyncio.gather(b.submit(1, 1), b.submit(2, 2), return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) and "1 results for 2 items" in str(r) for r in results)
+
+
+async def test_cancelled_waiter_is_dropped_and_others_unaffected():
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=10, timeout=0.1)
+    doomed = asyncio.ensure_future(b.submit("doomed", 100))
+    shared_a = asyncio.ensure_future(b.submit("shared", 7))
+    shared_b = asyncio.ensure_future(b.submit("shared", 7))
+    keep = asyncio.ensure_future(b.submit("keep", 2))
+    await asyncio.sleep(0)
+    doomed.cancel()
+    shared_a.cancel()
+    assert await keep == 4 and await shared_b == 49
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    assert rec.batches == [[7, 2]]  # the doomed request never ran; "shared" still had a waiter
+
+
+async def test_async_process_function():
+    async def process(items):
+        await asyncio.sleep(0.001)
+        return [x + 1 for x in items]
+
+    b = AutoBatcher(process, batch_size=4, timeout=0.001)
+    assert await asyncio.gather(*(b.submit(i, i) for i in range(6))) == [1, 2, 3, 4, 5, 6]
+
+
+async def test_thread_mode_keeps_event_loop_free():
+    rec = Recorder(delay=0.2)
+    b = AutoBatcher(rec, batch_size=1, timeout=0, run_in_thread=True)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    t = asyncio.ensure_future(ticker())
+    assert await b.submit(3, 3) == 9
+    t.cancel()
+    assert ticks >= 10  # the loop kept running while the batch computed in the worker thread
+    assert rec.batches == [[3]]
+    b.close()
+
+
+def test_works_across_asyncio_run_calls():
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=4, timeout=0.01, run_in_thread=True)
+
+    async def step(offset):
+        return await asyncio.wait_for(asyncio.gather(*(b.submit(i, i + offset) for i in range(6))), 5)
+
+    for round_ in range(3):
+        assert asyncio.run(step(round_)) == [(i + round_) ** 2 for i in range(6)]
+    b.close()
+
+
+def test_loop_interrupted_mid_batch_leaves_batcher_usable():
+    rec = Recorder(delay=0.2)
+    b = AutoBatcher(rec, batch_size=2, timeout=0, run_in_thread=True)
+
+    async def abandon():
+        task = asyncio.ensure_future(b.submit(1, 1))
+        await asyncio.sleep(0.05)
+        task.cancel()
+
+    asyncio.run(abandon())
+    assert asyncio.run(asyncio.wait_for(b.submit(2, 2), 5)) == 4
+    b.close()
+
+
+def test_stress_10k_concurrent_requests_no_hang_no_leaked_tasks():
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=128, timeout=0.001, run_in_thread=True)
+
+    async def main():
+        keys = [i % 7000 for i in range(10_000)]  # some duplicates too
+        out = await asyncio.wait_for(asyncio.gather(*(b.submit(k, k) for k in keys)), 60)
+        assert out == [k * k for k in keys]
+        await asyncio.sleep(0)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
+    assert sum(len(x) for x in rec.batches) == 7000  # each distinct key computed once
+    assert max(len(x) for x in rec.batches) <= 128
+    b.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("genlm-")]
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError, match="batch_size"):
+        AutoBatcher(lambda x: x, batch_size=0)
+    with pytest.raises(ValueError, match="timeout"):
+        AutoBatcher(lambda x: x, timeout=-1)

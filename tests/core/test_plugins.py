@@ -1,0 +1,206 @@
+"""Plugin discovery, selection, errors and configs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from genlm_core import (
+    BackendNotFoundError,
+    ModelConfig,
+    OptionsError,
+    PluginConflictError,
+    get_plugins,
+    hookimpl,
+    load_model,
+    load_model_by_name,
+)
+from genlm_core.plugins import Plugins, reset_plugins
+from genlm_core.testing import registered
+
+from .helpers import BigramLM, ThirdPartyPlugin
+
+
+class FakeDist:
+    def __init__(self, name):
+        self.name = name
+
+
+class FakeEntryPoint:
+    """Mirrors importlib.metadata.EntryPoint: name, group, dist and load()."""
+
+    def __init__(self, name, value, dist):
+        self.name, self.group, self.dist = name, "genlm", FakeDist(dist)
+        self._ep = EntryPoint(name, value, "genlm")
+
+    def load(self):
+        return self._ep.load()
+
+
+def fake_module(name, **attrs):
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+@pytest.fixture
+def fake_distributions(monkeypatch, toy_tok):
+    """Installs three fake distributions: a working one, one whose import fails, one whose hook raises."""
+    plugin = ThirdPartyPlugin(toy_tok, name="fakebackend")
+
+    def good_hook(register):
+        plugin.register_backends(register)
+
+    def boom_hook(register):
+        raise RuntimeError("hook exploded")
+
+    good = fake_module("fake_genlm_good", register_backends=hookimpl(good_hook))
+    bad_hook = fake_module("fake_genlm_badhook", register_backends=hookimpl(boom_hook))
+    monkeypatch.setitem(sys.modules, "fake_genlm_good", good)
+    monkeypatch.setitem(sys.modules, "fake_genlm_badhook", bad_hook)
+    eps = [
+        FakeEntryPoint("good", "fake_genlm_good", "genlm-good"),
+        FakeEntryPoint("broken", "fake_genlm_does_not_exist", "genlm-broken"),
+        FakeEntryPoint("badhook", "fake_genlm_badhook", "genlm-badhook"),
+    ]
+
+    def entry_points(group=None):
+        assert group == "genlm"
+        return eps
+
+    monkeypatch.setattr("importlib.metadata.entry_points", entry_points)
+    monkeypatch.delenv("GENLM_PLUGINS", raising=False)
+    yield reset_plugins()
+    reset_plugins()
+
+
+def test_discovery_through_entry_points(fake_distributions):
+    plugins = fake_distributions
+    backends = plugins.backends()
+    assert "fakebackend" in backends and backends["fakebackend"].distribution == "genlm-good"
+    failures = {f.plugin: f for f in plugins.failures}
+    assert set(failures) == {"broken", "badhook"}
+    assert failures["broken"].distribution == "genlm-broken" and "ModuleNotFoundError" in failures["broken"].error
+    assert "hook exploded" in failures["badhook"].error
+    # built-ins go through the same hooks
+    assert {"numba", "torch"} <= set(plugins.trie_engines())
+    assert plugins.trie_engines()["numba"].distribution == "genlm-core"
+
+
+def test_broken_plugin_does_not_break_loading_others(fake_distributions):
+    lm = load_model_by_name("anything", backend="fakebackend", llm_opts={"peak": 2.0})
+    assert isinstance(lm, BigramLM) and lm.peak == 2.0
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [("", set()), ("good", {"fakebackend"}), ("genlm-good,broken", {"fakebackend"}), (None, {"fakebackend"})],
+)
+def test_genlm_plugins_env_selects(fake_distributions, monkeypatch, env, expected):
+    if env is not None:
+        monkeypatch.setenv("GENLM_PLUGINS", env)
+    plugins = reset_plugins()
+    assert set(plugins.backends()) == expected
+    assert {"numba", "torch"} <= set(plugins.trie_engines())  # built-ins are always there
+
+
+def test_third_party_plugin_registered_per_test(fresh_plugins, toy_tok):
+    plugin = ThirdPartyPlugin(toy_tok)
+    with registered(plugin):
+        lm = load_model_by_name("m", backend="bigram", llm_opts={"peak": 3.0, "batch_size": 4})
+        assert lm.peak == 3.0 and lm.batcher.batch_size == 4
+    with pytest.raises(BackendNotFoundError):
+        get_plugins().backend("bigram")
+
+
+def test_unknown_backend_lists_installed_and_pip_command(fresh_plugins, toy_tok):
+    with registered(ThirdPartyPlugin(toy_tok)):
+        with pytest.raises(
+            BackendNotFoundError, match=r"'vllm' is not installed; available: \[.*bigram.*\].*pip install genlm-vllm"
+        ):
+            load_model_by_name("m", backend="vllm")
+        with pytest.raises(BackendNotFoundError, match=r"pip install genlm-nosuch` \(if such a plugin exists\)"):
+            load_model_by_name("m", backend="nosuch")
+
+
+def test_misspelled_and_mistyped_options_name_option_and_backend(fresh_plugins, toy_tok):
+    with registered(ThirdPartyPlugin(toy_tok)):
+        with pytest.raises(OptionsError, match=r"backend 'bigram'.*unknown option 'paek'.*known: .*peak"):
+            load_model_by_name("m", backend="bigram", llm_opts={"paek": 1.0})
+        with pytest.raises(OptionsError, match=r"backend 'bigram'.*option 'batch_size'"):
+            load_model_by_name("m", backend="bigram", llm_opts={"batch_size": "lots"})
+
+
+def test_duplicate_names_name_both_plugins(fresh_plugins, toy_tok):
+    with registered(ThirdPartyPlugin(toy_tok), "first-plugin"), registered(ThirdPartyPlugin(toy_tok), "second-plugin"):
+        with pytest.raises(PluginConflictError, match="'first-plugin' and 'second-plugin'"):
+            load_model_by_name("m", backend="bigram")
+
+
+def test_default_backend(fresh_plugins, toy_tok, monkeypatch):
+    with registered(ThirdPartyPlugin(toy_tok, name="only")):
+        monkeypatch.setenv("GENLM_PLUGINS", "")
+        reset_plugins()
+        with registered(ThirdPartyPlugin(toy_tok, name="only")):
+            assert isinstance(load_model_by_name("m"), BigramLM)  # the only one installed
+            with registered(ThirdPartyPlugin(toy_tok, name="hf")):
+                from genlm_core import default_backend
+
+                assert default_backend() == "hf"
+                with registered(ThirdPartyPlugin(toy_tok, name="vllm")):
+                    monkeypatch.setattr("genlm_core.loading._cuda_available", lambda: False)
+                    assert default_backend() == "hf"
+                    monkeypatch.setattr("genlm_core.loading._cuda_available", lambda: True)
+                    assert default_backend() == "vllm"
+            with registered(ThirdPartyPlugin(toy_tok, name="other")):
+                with pytest.raises(BackendNotFoundError, match="no default backend"):
+                    default_backend()
+
+
+def test_load_model_from_config_dict_and_files(fresh_plugins, toy_tok, tmp_path):
+    with registered(ThirdPartyPlugin(toy_tok)):
+        cfg = {"backend": "bigram", "model": "m", "options": {"peak": 1.5}}
+        assert load_model(cfg).peak == 1.5
+        assert load_model(ModelConfig(**cfg)).peak == 1.5
+        (tmp_path / "m.json").write_text(json.dumps(cfg))
+        assert load_model(tmp_path / "m.json").peak == 1.5
+        (tmp_path / "m.toml").write_text('backend = "bigram"\nmodel = "m"\n[options]\npeak = 2.5\n')
+        assert load_model(str(tmp_path / "m.toml")).peak == 2.5
+        with pytest.raises(ValueError, match="modle"):
+            load_model({"backend": "bigram", "modle": "m"})
+        with pytest.raises(ValueError, match=r"\.toml or \.json"):
+            load_model(tmp_path / "m.yaml")
+
+
+def test_factory_must_return_an_asynclm(fresh_plugins):
+    class Wrong:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("wrong", lambda model, options: object())
+
+    with registered(Wrong()):
+        with pytest.raises(TypeError, match="not an AsyncLM"):
+            load_model_by_name("m", backend="wrong")
+
+
+def test_lazy_factory_is_imported_only_on_use(fresh_plugins):
+    class Lazy:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("lazy", "genlm_nonexistent_module:Factory", check="genlm_nonexistent_module:check")
+
+    with registered(Lazy()):
+        spec = get_plugins().backend("lazy")  # listing does not import it
+        assert "ModuleNotFoundError" in spec.unavailable_reason()
+        with pytest.raises(ModuleNotFoundError):
+            load_model_by_name("m", backend="lazy")
+
+
+def test_installed_mock_plugin_is_discovered():
+    plugins = Plugins()
+    spec = plugins.backend("mock")
+    assert spec.distribution == "genlm-mock" and spec.unavailable_reason() is None
