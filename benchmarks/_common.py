@@ -35,8 +35,11 @@ def run_seed(code: str, timeout: float = 3600) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def best_of(fn: Callable[[], object], repeat: int = 5, number: int = 1) -> float:
-    """Median seconds per call of ``fn`` over ``repeat`` rounds of ``number`` calls."""
+def best_of(fn: Callable[[], object], repeat: int = 5, number: int = 1, warmup: int = 3) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` rounds of ``number`` calls, after ``warmup`` calls
+    (JIT compilation, allocator and page-cache warm-up)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -1,0 +1,159 @@
+"""What every trie engine shares: the index, maps between tokens, leaves and nodes, input checks."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+from genlm_core.trie.index import END, TrieIndex
+
+
+@numba.njit(cache=True, nogil=True)
+def _first_bad(ws: np.ndarray, allow_neg_inf: bool) -> int:  # pragma: no cover - compiled
+    """Flat index of the first NaN/+inf (and -inf unless allowed) in 2-D ``ws``, or -1."""
+    cols = ws.shape[1]
+    for i in range(ws.shape[0]):
+        for j in range(cols):
+            x = ws[i, j]
+            if not (x < np.inf) or (x == -np.inf and not allow_neg_inf):
+                return i * cols + j
+    return -1
+
+
+class TrieBase(abc.ABC):
+    """A token-character trie over ``decode`` (token id ``i`` is ``decode[i]``).
+
+    ``weight_sum(ws)[n]`` is the sum of ``ws[i]`` over the tokens whose bytes start with node ``n``'s
+    prefix (for a leaf: its token's weight); ``weight_max`` the max. Results are indexed by node.
+    """
+
+    root = 0
+
+    def __init__(self, decode: Sequence[bytes], index: TrieIndex | None = None):
+        self.decode = list(decode)
+        self.index = index or TrieIndex.build(self.decode)
+        self.num_nodes = self.index.num_nodes
+        self.vocab_size = len(self.decode)
+
+    # ---- maps -------------------------------------------------------------------------------
+
+    @property
+    def token_id_to_leaf(self) -> np.ndarray:
+        """Leaf node of each token id."""
+        return self.index.token_leaf
+
+    @cached_property
+    def leaf2token_id(self) -> dict[int, int]:
+        """Token id of each leaf node."""
+        leaves = np.flatnonzero(self.index.node_token >= 0)
+        return dict(zip(leaves.tolist(), self.index.node_token[leaves].tolist()))
+
+    @cached_property
+    def children(self) -> list[dict[int, int]]:
+        """For each node, ``{byte: child}``; a token's leaf hangs under the key :data:`END` (256)."""
+        kids: list[dict[int, int]] = [{} for _ in range(self.num_nodes)]
+        parent, edge = self.index.parent.tolist(), self.index.edge.tolist()
+        for node in range(1, self.num_nodes):
+            kids[parent[node]][edge[node]] = node  # duplicate tokens: the last leaf wins here
+        return kids
+
+    @cached_property
+    def node2prefix(self) -> list[bytes]:
+        """The byte prefix of every node (a leaf's prefix is its token's bytes)."""
+        prefixes = [b""] * self.num_nodes
+        parent, edge = self.index.parent.tolist(), self.index.edge.tolist()
+        for node in range(1, self.num_nodes):
+            prefixes[node] = prefixes[parent[node]] + (bytes([edge[node]]) if edge[node] != END else b"")
+        return prefixes
+
+    def node_of_prefix(self, prefix: bytes) -> int | None:
+        """The node whose prefix is ``prefix``, or None when no token starts with it."""
+        node = self.root
+        for b in prefix:
+            child = self.children[node].get(b)
+            if child is None:
+                return None
+            node = child
+        return node
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def check_weights(self, ws: Any, allow_neg_inf: bool = False) -> np.ndarray | torch.Tensor:
+        """``ws`` as 2-D ``[batch, vocab]``; ValueError for a wrong length, NaN or infinity.
+
+        ``allow_neg_inf`` admits ``-inf`` (log-space zero), as :meth:`weight_max` does.
+        """
+        if isinstance(ws, (list, tuple)):
+            tensors = bool(ws) and isinstance(ws[0], torch.Tensor)
+            ws = torch.stack([torch.as_tensor(w) for w in ws]) if tensors else np.asarray(ws, dtype=np.float64)
+        elif not isinstance(ws, (np.ndarray, torch.Tensor)):
+            raise TypeError(f"weights must be a numpy array, torch tensor or list of them, got {type(ws).__name__}")
+        if ws.ndim not in (1, 2) or ws.shape[-1] != self.vocab_size:
+            raise ValueError(
+                f"expected weights of shape ({self.vocab_size},) or (batch, {self.vocab_size}), got {tuple(ws.shape)}"
+            )
+        ws = ws if ws.ndim == 2 else ws[None]
+        if isinstance(ws, torch.Tensor) and ws.device.type == "cpu":
+            ws = ws.detach().numpy()
+        if isinstance(ws, np.ndarray):
+            ws = np.ascontiguousarray(ws if ws.dtype in (np.float32, np.float64) else ws.astype(np.float64))
+            where = _first_bad(ws, allow_neg_inf)
+        else:
+            bad = (torch.isnan(ws) | (ws == float("inf"))) if allow_neg_inf else ~torch.isfinite(ws)
+            where = int(torch.nonzero(bad.reshape(-1))[0, 0]) if bool(bad.any()) else -1
+        if where >= 0:
+            value = float(ws.reshape(-1)[where])
+            allowed = "finite or -inf" if allow_neg_inf else "finite"
+            raise ValueError(f"weight of token {where % self.vocab_size} is {value}: weights must be {allowed}")
+        return ws
+
+    def weight_sum(self, ws: Any) -> np.ndarray:
+        """Per-node sum of the token weights ``ws`` (shape ``(vocab,)``) below each node."""
+        return self._reduce(self.check_weights(ws), "sum")[0]
+
+    def weight_max(self, ws: Any) -> np.ndarray:
+        """Per-node max of ``ws`` below each node; right for log-space weights (-inf allowed)."""
+        return self._reduce(self.check_weights(ws, allow_neg_inf=True), "max")[0]
+
+    def batch_weight_sum(self, ws: Any) -> np.ndarray:
+        """:meth:`weight_sum` for a batch ``(batch, vocab)`` (or a list of vectors)."""
+        return self._reduce(self.check_weights(ws), "sum")
+
+    def batch_weight_max(self, ws: Any) -> np.ndarray:
+        """:meth:`weight_max` for a batch ``(batch, vocab)`` (or a list of vectors)."""
+        return self._reduce(self.check_weights(ws, allow_neg_inf=True), "max")
+
+    @abc.abstractmethod
+    def _reduce(self, ws: np.ndarray | torch.Tensor, op: str) -> Any:
+        """Node values ``[batch, num_nodes]`` for checked 2-D weights; ``op`` is "sum" or "max"."""
+
+    # ---- display ----------------------------------------------------------------------------
+
+    def visualize(self, ws: Any = None, max_nodes: int = 500) -> Any:
+        """A ``graphviz.Digraph`` of the trie, nodes labelled with ``weight_sum(ws)`` when given."""
+        try:
+            import graphviz
+        except ImportError:
+            raise ImportError("visualize needs the graphviz package: `pip install graphviz`") from None
+        if self.num_nodes > max_nodes:
+            raise ValueError(f"trie has {self.num_nodes} nodes, more than max_nodes={max_nodes}")
+        values = None if ws is None else np.asarray(self.weight_sum(ws))
+        dot = graphviz.Digraph(graph_attr={"rankdir": "LR"}, node_attr={"shape": "box", "fontsize": "10"})
+        for node in range(self.num_nodes):
+            token = int(self.index.node_token[node])
+            label = f"#{node}" if token < 0 else f"token {token}"
+            if values is not None:
+                label += f"\n{values[node]:.4g}"
+            dot.node(str(node), label, shape="box" if token < 0 else "ellipse")
+            if node:
+                e = int(self.index.edge[node])
+                dot.edge(
+                    str(int(self.index.parent[node])), str(node), label="EOT" if e == END else repr(bytes([e]))[2:-1]
+                )
+        return dot

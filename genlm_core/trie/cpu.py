@@ -1,0 +1,73 @@
+"""The CPU engine: compiled bottom-up passes in float64 (numba), batches split over cores."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from genlm_core.trie.base import TrieBase
+
+
+@numba.njit(cache=True, nogil=True)
+def _sum_into(
+    out: np.ndarray, ws: np.ndarray, index_arrays: tuple[np.ndarray, ...]
+) -> None:  # pragma: no cover - compiled
+    token_leaf, leaf_parent, inner, inner_parent = index_arrays
+    out[:] = 0.0
+    for t in range(ws.shape[0]):
+        w = ws[t]
+        out[token_leaf[t]] = w
+        out[leaf_parent[t]] += w
+    # Inner nodes are numbered after their parents: one sweep from the highest number down adds
+    # every finished subtree into its parent. Only same-sign terms meet, so a tiny subtree keeps
+    # its full relative precision next to a large one.
+    for i in range(inner.shape[0]):
+        out[inner_parent[i]] += out[inner[i]]
+
+
+@numba.njit(cache=True, nogil=True)
+def _max_into(
+    out: np.ndarray, ws: np.ndarray, index_arrays: tuple[np.ndarray, ...]
+) -> None:  # pragma: no cover - compiled
+    token_leaf, leaf_parent, inner, inner_parent = index_arrays
+    out[:] = -np.inf
+    for t in range(ws.shape[0]):
+        w = ws[t]
+        out[token_leaf[t]] = w
+        out[leaf_parent[t]] = max(out[leaf_parent[t]], w)
+    for i in range(inner.shape[0]):
+        out[inner_parent[i]] = max(out[inner_parent[i]], out[inner[i]])
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _batch(
+    out: np.ndarray, ws: np.ndarray, index_arrays: tuple[np.ndarray, ...], is_max: bool
+) -> None:  # pragma: no cover - compiled
+    for b in numba.prange(ws.shape[0]):
+        if is_max:
+            _max_into(out[b], ws[b], index_arrays)
+        else:
+            _sum_into(out[b], ws[b], index_arrays)
+
+
+class TokenCharacterTrie(TrieBase):
+    """CPU trie engine: float64 results as numpy arrays ``[num_nodes]`` / ``[batch, num_nodes]``.
+
+    >>> trie = TokenCharacterTrie([b"a", b"ab", b"b"])
+    >>> masses = trie.weight_sum([0.5, 0.25, 0.25])
+    >>> float(masses[trie.root]), float(masses[trie.node_of_prefix(b"a")])
+    (1.0, 0.75)
+    """
+
+    def _reduce(self, ws: np.ndarray | torch.Tensor, op: str) -> np.ndarray:
+        if isinstance(ws, torch.Tensor):  # a CUDA tensor (CPU ones arrive as numpy)
+            ws = ws.detach().cpu().numpy()
+        out = np.empty((ws.shape[0], self.num_nodes), np.float64)
+        ix = self.index
+        arrays = (ix.token_leaf, ix.leaf_parent, ix.inner, ix.inner_parent)
+        if ws.shape[0] == 1:
+            (_max_into if op == "max" else _sum_into)(out[0], ws[0], arrays)
+        else:
+            _batch(out, ws, arrays, op == "max")
+        return out
