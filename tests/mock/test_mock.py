@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from genlm_mock import MockAsyncLM, MockOptions
 
 from genlm_core import load_model_by_name
 from genlm_core.testing import check_lm_contract
+from genlm_mock import MockAsyncLM, MockOptions
 
 
 @pytest.fixture(scope="module")

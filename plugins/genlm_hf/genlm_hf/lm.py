@@ -1,0 +1,343 @@
+"""``AsyncTransformer``: a transformers causal LM behind the AsyncLM protocol, with automatic KV reuse.
+
+How a batch runs (``forward_batch``): each request's longest cached prefix is looked up in the
+core :class:`~genlm_core.prefix_cache.PrefixCache`; only the remaining tokens go through the
+model. The KV states of the cached prefixes are laid out as the batch's past: when every row
+extends one earlier batch (the usual step of a particle program), that batch's tensors are used
+as they are (after an ``index_select`` if rows were resampled); otherwise each source batch is
+right-aligned in a padded past. New tokens are left-padded so every row ends at the last
+position. Real positions are passed explicitly and a 2-D mask hides every pad, so holes in the
+past are harmless. The KV tensors the forward produced become one new cache block shared by all
+rows of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from genlm_core import AsyncLM, Request
+from genlm_core.prefix_cache import PrefixCache
+from genlm_hf.options import HFOptions
+
+log = logging.getLogger(__name__)
+
+_RECURRENT_MODEL_TYPES = {
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+    "rwkv",
+    "jamba",
+    "zamba",
+    "zamba2",
+    "bamba",
+    "recurrent_gemma",
+}
+
+
+class KVBlock:
+    """The KV states one forward pass produced: per layer ``(keys, values)`` of shape
+    ``[batch, heads, length, head_dim]``, and ``mask[row, position]``: whether that position holds
+    a real token of the row (pads and holes are False)."""
+
+    __slots__ = ("kv", "mask", "nbytes")
+
+    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor):
+        self.kv = kv
+        self.mask = mask
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+
+@dataclass
+class _Row:
+    ids: tuple[int, ...]
+    done: int  # tokens whose KV states are in `entry`
+    entry: tuple[KVBlock, int] | None  # (block, row in block)
+
+
+def kv_reuse_problem(model: Any) -> str | None:
+    """Why this model's KV cache cannot be extended from stored states (None if it can)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    if getattr(config, "model_type", "") in _RECURRENT_MODEL_TYPES:
+        return f"recurrent/state-space model ({config.model_type})"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return f"layers other than full attention: {sorted(set(layer_types))}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return f"sliding-window attention ({config.sliding_window})"
+    return None
+
+
+def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
+    """A DynamicCache holding ``kv`` without copying it (the model's update concatenates, never writes)."""
+    from transformers import DynamicCache
+
+    if kv is None:
+        return DynamicCache()
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
+    for layer, (k, v) in zip(cache.layers, kv):
+        layer.keys, layer.values = k, v
+    return cache
+
+
+class AsyncTransformer(AsyncLM):
+    """A Hugging Face causal LM: batched, exact next-token logprobs with automatic KV reuse.
+
+    Build with :meth:`from_name` (or ``load_model_by_name(name, backend="hf")``); or wrap a loaded
+    ``model`` and ``tokenizer`` directly.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, options: HFOptions | None = None, **kwargs: Any):
+        self.options = options or HFOptions(**kwargs)
+        o = self.options
+        super().__init__(
+            tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
+        )
+        self.model = model.eval()
+        self.device = model.get_input_embeddings().weight.device
+        self.kv = PrefixCache(o.kv_cache_entries, o.kv_cache_bytes)
+        problem = kv_reuse_problem(model)
+        if problem and o.reuse_kv:
+            log.warning(
+                "%s: KV reuse disabled (%s); every request is computed from scratch", type(model).__name__, problem
+            )
+        self.reuse_kv = o.reuse_kv and problem is None
+        self.forward_calls = 0  # forward passes run
+        self.tokens_computed = 0  # real (non-pad) tokens those passes computed
+        self._adapter: str | None = None
+        self._adapters: set[str] = set()
+        for name, path in o.lora.items():
+            self.load_lora(path, name)
+        if o.active_lora is not None:
+            self.set_lora(o.active_lora)
+
+    # ---- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_name(
+        cls,
+        model_id: str,
+        bitsandbytes_opts: dict[str, Any] | None = None,
+        hf_opts: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncTransformer:
+        """Load ``model_id`` (a local folder or a hub name) with :class:`HFOptions` given as keywords.
+
+        ``bitsandbytes_opts`` (a ``BitsAndBytesConfig``'s arguments) and ``hf_opts`` (more
+        ``from_pretrained`` arguments) are accepted as the seed library took them.
+        """
+        hf = dict(hf_opts or {})
+        if bitsandbytes_opts:
+            from transformers import BitsAndBytesConfig
+
+            hf["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
+        return cls.from_options(model_id, HFOptions(**kwargs, hf_opts=hf))
+
+    @classmethod
+    def from_options(cls, model_id: str, options: HFOptions) -> AsyncTransformer:
+        """The registry factory: load ``model_id`` with validated options."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=options.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs(options))
+        if options.device_map is None and not (options.load_in_8bit or options.load_in_4bit):
+            model = model.to(resolve_device(options.device))
+        return cls(model, tokenizer, options)
+
+    # ---- the backend step ---------------------------------------------------------------------
+
+    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        out: torch.Tensor | None = None
+        by_adapter: dict[str | None, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_adapter.setdefault(r.adapter, []).append(i)
+        with torch.no_grad():
+            for adapter, rows in by_adapter.items():
+                with self._adapter_active(adapter):
+                    logits = self._logits([requests[i].token_ids for i in rows], adapter)
+                if out is None:
+                    out = torch.empty(len(requests), logits.shape[-1], dtype=torch.float32, device=logits.device)
+                out[rows] = logits.float()
+        assert out is not None
+        return out
+
+    def _logits(self, sequences: list[tuple[int, ...]], adapter: str | None) -> torch.Tensor:
+        rows = []
+        for ids in sequences:
+            hit = self.kv.longest_prefix(adapter, ids, len(ids) - 1) if self.reuse_kv else None
+            rows.append(_Row(ids, hit.length, hit.value) if hit else _Row(ids, 0, None))
+        chunk = self.options.prefill_chunk_size
+        while long := [r for r in rows if len(r.ids) - r.done > chunk]:
+            _, entries = self._run([_Row(r.ids[: r.done + chunk], r.done, r.entry) for r in long], adapter)
+            for r, entry in zip(long, entries):
+                r.done, r.entry = r.done + chunk, entry
+        logits, _ = self._run(rows, adapter)
+        return logits
+
+    def _past(self, rows: list[_Row]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
+        """The batch's past KV and its mask ``[batch, past_length]``, from the rows' cached prefixes."""
+        groups: dict[int, tuple[KVBlock, list[int], list[int]]] = {}  # block -> (block, batch rows, its rows)
+        for b, r in enumerate(rows):
+            if r.entry is not None:
+                block, src = r.entry
+                _, dst_rows, src_rows = groups.setdefault(id(block), (block, [], []))
+                dst_rows.append(b)
+                src_rows.append(src)
+        if not groups:
+            return None, torch.zeros(len(rows), 0, dtype=torch.bool, device=self.device)
+        if len(groups) == 1:
+            block, dst, src = next(iter(groups.values()))
+            if len(dst) == len(rows):
+                if src == list(range(block.mask.shape[0])):
+                    return block.kv, block.mask  # the same rows in the same order: no copy at all
+                index = torch.tensor(src, device=self.device)
+                return [(k.index_select(0, index), v.index_select(0, index)) for k, v in block.kv], block.mask[index]
+        length = max(block.length for block, _, _ in groups.values())
+        template = next(iter(groups.values()))[0].kv
+        kv = [
+            (
+                k.new_zeros(len(rows), k.shape[1], length, k.shape[3]),
+                v.new_zeros(len(rows), v.shape[1], length, v.shape[3]),
+            )
+            for k, v in template
+        ]
+        mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
+        for block, dst, src in groups.values():
+            d = torch.tensor(dst, device=self.device)
+            s = torch.tensor(src, device=self.device)
+            start = length - block.length
+            for (k, v), (bk, bv) in zip(kv, block.kv):
+                k[d, :, start:] = bk.index_select(0, s)
+                v[d, :, start:] = bv.index_select(0, s)
+            mask[d, start:] = block.mask[s]
+        return kv, mask
+
+    def _run(self, rows: list[_Row], adapter: str | None) -> tuple[torch.Tensor, list[tuple[KVBlock, int]]]:
+        """One forward pass over the rows' new tokens; returns last-position logits and KV entries."""
+        past, past_mask = self._past(rows)
+        width = max(len(r.ids) - r.done for r in rows)
+        n = len(rows)
+        input_ids = torch.zeros(n, width, dtype=torch.long)
+        new_mask = torch.zeros(n, width, dtype=torch.bool)
+        positions = torch.zeros(n, width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            new = r.ids[r.done :]
+            input_ids[b, width - len(new) :] = torch.tensor(new)
+            new_mask[b, width - len(new) :] = True
+            positions[b, width - len(new) :] = torch.arange(r.done, len(r.ids))
+        mask = torch.cat([past_mask, new_mask.to(self.device)], dim=1)
+        self.forward_calls += 1
+        self.tokens_computed += int(new_mask.sum())
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.long(),
+            position_ids=positions.to(self.device),
+            past_key_values=_dynamic_cache(past),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        block = KVBlock([(layer.keys, layer.values) for layer in out.past_key_values.layers], mask)
+        entries = [(block, b) for b in range(n)]
+        if self.reuse_kv:
+            for b, r in enumerate(rows):
+                self.kv.put(adapter, r.ids, entries[b], block, block.nbytes)
+        return out.logits[:, -1, :], entries
+
+    def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
+        """Run ``prompt_tokens`` now so that later requests extending it start from its KV states."""
+        request = self.request(prompt_tokens)
+        if self.cache.get(request) is None:
+            self._compute([request])
+
+    def clear_backend_cache(self) -> None:
+        self.kv.clear()
+
+    def close_backend(self) -> None:
+        self.kv.clear()
+        self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ---- LoRA ---------------------------------------------------------------------------------
+
+    @property
+    def active_adapter(self) -> str | None:
+        return self._adapter
+
+    def load_lora(self, path: str, name: str = "lora_1") -> None:
+        """Load a peft LoRA adapter from ``path`` under ``name`` (it does not become active)."""
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise ImportError("LoRA needs peft: `pip install 'genlm-hf[lora]'`") from None
+        with self._compute_lock:
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(path, adapter_name=name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
+            self._adapters.add(name)
+
+    add_new_lora = load_lora
+
+    def set_lora(self, name: str) -> None:
+        """Make adapter ``name`` active for the following requests (part of every cache key)."""
+        if name not in self._adapters:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}")
+        self._adapter = name
+
+    def clear_lora(self) -> None:
+        """Use the base model again for the following requests."""
+        self._adapter = None
+
+    @contextlib.contextmanager
+    def _adapter_active(self, adapter: str | None) -> Iterator[None]:
+        if not self._adapters:
+            yield
+        elif adapter is None:
+            with self.model.disable_adapter():
+                yield
+        else:
+            self.model.set_adapter(adapter)
+            yield
+
+
+def resolve_device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def load_kwargs(options: HFOptions) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments for the options."""
+    kwargs: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+    device = resolve_device(options.device)
+    if options.dtype == "auto":
+        kwargs["dtype"] = torch.float32 if device.type == "cpu" and options.device_map is None else "auto"
+    else:
+        kwargs["dtype"] = getattr(torch, options.dtype)
+    if options.device_map is not None:
+        kwargs["device_map"] = options.device_map
+    if options.load_in_8bit or options.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        compute = options.bnb_4bit_compute_dtype
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_8bit=options.load_in_8bit,
+            load_in_4bit=options.load_in_4bit,
+            bnb_4bit_quant_type=options.bnb_4bit_quant_type,
+            bnb_4bit_compute_dtype=getattr(torch, compute) if compute else None,
+        )
+        kwargs.setdefault("device_map", {"": str(device)})
+    kwargs.update(options.hf_opts)
+    return kwargs

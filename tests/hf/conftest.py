@@ -1,0 +1,32 @@
+"""Tiny float32 models (Llama and GPT-2 architectures) and an uncached, unbatched reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genlm_core.testing.models import tiny_model_dir
+
+
+class Reference:
+    """Next-token logprobs from one plain forward pass over the whole context, in float64."""
+
+    def __init__(self, path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def __call__(self, ids, vocab_size=None):
+        with torch.no_grad():
+            logits = self.model(torch.tensor([list(ids)])).logits[0, -1].double()
+        return torch.log_softmax(logits[:vocab_size] if vocab_size else logits, -1)
+
+
+def max_error(rows, contexts, reference):
+    return max((row.double() - reference(c, len(row))).abs().max().item() for row, c in zip(rows, contexts))
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt2"])
+def tiny(request):
+    path = tiny_model_dir(request.param)
+    return str(path), Reference(path)

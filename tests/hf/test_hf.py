@@ -1,0 +1,230 @@
+"""genlm-hf against an uncached, unbatched forward pass of the same model: max |Δ logprob| <= 1e-4."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+import torch
+
+from genlm_core import OptionsError, load_model_by_name
+from genlm_core.testing import check_lm_contract
+from genlm_core.testing.models import tiny_model_dir
+from genlm_hf import AsyncTransformer
+from genlm_hf.lm import kv_reuse_problem, load_kwargs
+from genlm_hf.options import HFOptions
+
+from .conftest import Reference, max_error
+
+TOL = 1e-4
+
+
+def make(path, **kwargs):
+    return AsyncTransformer.from_name(path, **{"batch_size": 16, "timeout": 0.005, **kwargs})
+
+
+def gather(lm, contexts):
+    async def main():
+        return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
+    return asyncio.run(main())
+
+
+def test_contract(tiny):
+    path, _ = tiny
+    check_lm_contract(make(path), [[1], [5, 6, 7], list(range(100, 140))], atol=TOL)
+
+
+def test_concurrent_ragged_batches(tiny):
+    path, ref = tiny
+    lm = make(path)
+    g = torch.Generator().manual_seed(0)
+    contexts = [
+        torch.randint(0, 5000, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (24,), generator=g)
+    ]
+    rows = gather(lm, contexts)
+    assert max_error(rows, contexts, ref) <= TOL
+    assert lm.forward_calls == 2  # 24 requests, batch size 16
+
+
+def test_deep_prefix_reuse_computes_only_new_tokens(tiny):
+    path, ref = tiny
+    lm = make(path)
+    prompt = list(range(1000, 1400))  # 400 tokens
+    lm.next_token_logprobs_sync(prompt)
+    ctx = list(prompt)
+    for step in range(20):
+        ctx.append(step * 7 + 3)
+        before = lm.tokens_computed
+        row = lm.next_token_logprobs_sync(ctx)
+        assert lm.tokens_computed - before == 1  # only the new token went through the model
+        assert max_error([row], [ctx], ref) <= TOL
+    # branching off deep inside the cached context reuses the longest cached prefix
+    branch = prompt + [5, 5, 5]
+    before = lm.tokens_computed
+    assert max_error([lm.next_token_logprobs_sync(branch)], [branch], ref) <= TOL
+    assert lm.tokens_computed - before == 3
+
+
+def test_mixed_sync_and_async_calls(tiny):
+    path, ref = tiny
+    lm = make(path, timeout=0.001)
+    base = list(range(200, 260))
+    async_contexts = [base + [i, i + 1] for i in range(30)]
+    sync_contexts = [base + [i] * (1 + i % 4) for i in range(30)]
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("rows", gather(lm, async_contexts)))
+    thread.start()
+    sync_rows = [lm.next_token_logprobs_sync(c) for c in sync_contexts]
+    thread.join(120)
+    assert max_error(box["rows"], async_contexts, ref) <= TOL
+    assert max_error(sync_rows, sync_contexts, ref) <= TOL
+
+
+def test_different_cached_prefixes_identical_suffixes(tiny):
+    path, ref = tiny
+    lm = make(path)
+    a, b = list(range(10, 40)), list(range(600, 650))
+    gather(lm, [a, b])
+    contexts = [a + [7, 8, 9], b + [7, 8, 9], [7, 8, 9]]
+    rows = gather(lm, contexts)
+    assert max_error(rows, contexts, ref) <= TOL
+    assert not torch.allclose(rows[0], rows[1])  # the seed's dedup ignored the prefix here
+
+
+def test_correct_after_eviction(tiny):
+    path, ref = tiny
+    lm = make(path, kv_cache_entries=3, cache_size=0)
+    contexts = [[i] * 5 + list(range(20)) for i in range(12)]
+    for c in contexts:
+        lm.next_token_logprobs_sync(c)
+    assert len(lm.kv) <= 3
+    again = [c + [1] for c in contexts]  # most prefixes were evicted: recomputed from scratch
+    assert max_error(gather(lm, again), again, ref) <= TOL
+    lm_bytes = make(path, kv_cache_bytes=1, cache_size=0)  # every older block evicted at once
+    for c in contexts:
+        lm_bytes.next_token_logprobs_sync(c)
+    assert max_error(gather(lm_bytes, again), again, ref) <= TOL
+
+
+def test_resampled_particles_reuse_their_rows(tiny):
+    path, ref = tiny
+    lm = make(path)
+    particles = [[1, 2, i] for i in range(8)]
+    gather(lm, particles)
+    resampled = [particles[i] + [9] for i in (3, 3, 0, 7, 7, 7, 1, 2)]  # duplicated and reordered
+    before = lm.tokens_computed
+    rows = gather(lm, resampled)
+    assert max_error(rows, resampled, ref) <= TOL
+    assert lm.tokens_computed - before == 5  # distinct new contexts, one token each
+
+
+def test_long_context_over_4000_tokens_in_chunks(tiny):
+    path, ref = tiny
+    lm = make(path, prefill_chunk_size=1024)
+    ctx = [(i * 37) % 3000 + 5 for i in range(4100)]
+    assert max_error([lm.next_token_logprobs_sync(ctx)], [ctx], ref) <= TOL
+    assert lm.forward_calls == 5
+    more = ctx + [42]
+    assert max_error([lm.next_token_logprobs_sync(more)], [more], ref) <= TOL
+
+
+def test_padded_model_vocabulary():
+    path = tiny_model_dir("llama", vocab_size=50257 + 71)
+    ref = Reference(path)
+    lm = make(str(path))
+    assert len(lm.byte_vocab) == 50257 and lm.model.config.vocab_size == 50257 + 71
+    rows = gather(lm, [[1, 2, 3], [4]])
+    for row in rows:
+        assert row.shape == (50257,) and abs(torch.logsumexp(row.double(), 0).item()) < 1e-5
+    assert max_error(rows, [[1, 2, 3], [4]], ref) <= TOL  # reference renormalised over the tokenizer's ids
+
+
+def test_bfloat16_weights_give_float32_logprobs(tiny):
+    path, ref = tiny
+    lm = make(path, dtype="bfloat16")
+    row = lm.next_token_logprobs_sync([1, 2, 3])
+    assert lm.model.dtype == torch.bfloat16 and row.dtype == torch.float32
+    assert abs(torch.logsumexp(row.double(), 0).item()) < 1e-5
+    assert max_error([row], [[1, 2, 3]], ref) < 0.25  # bf16 weights: close, not exact
+
+
+def test_sampling_batched_and_stops_on_eos(tiny):
+    path, ref = tiny
+    lm = make(path)
+    prompt = [5, 6, 7]
+    ctx, greedy = list(prompt), []
+    for _ in range(6):  # greedy continuation from the reference
+        token = int(ref(ctx).argmax())
+        greedy.append(token)
+        ctx.append(token)
+    out = asyncio.run(lm.sample(prompt, 6, eos_token_ids=[], temperature=0))
+    assert out == greedy
+    eos = greedy[3]
+    stop_at = greedy.index(eos)
+    assert asyncio.run(lm.sample(prompt, 6, eos_token_ids=[eos], temperature=0)) == greedy[: stop_at + 1]
+    lm.clear_cache()
+    calls = lm.forward_calls
+    outs = asyncio.run(lm.batch_sample([prompt, [8, 9], [10]], 5, eos_token_ids=[], seed=3))
+    assert [len(o) for o in outs] == [5, 5, 5]
+    assert lm.forward_calls - calls <= 6  # the three samplers shared one batch per step
+
+
+def test_cache_kv_explicit_prefill(tiny):
+    path, ref = tiny
+    lm = make(path)
+    prompt = list(range(50, 150))
+    lm.cache_kv(prompt)
+    before = lm.tokens_computed
+    row = lm.next_token_logprobs_sync(prompt + [3])
+    assert lm.tokens_computed - before == 1
+    assert max_error([row], [prompt + [3]], ref) <= TOL
+
+
+def test_bad_ids_fail_before_model_work(tiny):
+    path, _ = tiny
+    lm = make(path)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm.next_token_logprobs_sync([1, len(lm.byte_vocab)])
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(lm.next_token_logprobs([]))
+    assert lm.forward_calls == 0
+
+
+def test_loads_through_registry_and_validates_options(tiny):
+    path, _ = tiny
+    lm = load_model_by_name(path, backend="hf", llm_opts={"batch_size": 4, "kv_cache_entries": 10})
+    assert isinstance(lm, AsyncTransformer) and lm.batcher.batch_size == 4 and lm.kv.max_entries == 10
+    with pytest.raises(OptionsError, match=r"backend 'hf'.*unknown option 'batchsize'"):
+        load_model_by_name(path, backend="hf", llm_opts={"batchsize": 4})
+    with pytest.raises(OptionsError, match=r"option 'dtype'"):
+        load_model_by_name(path, backend="hf", llm_opts={"dtype": "float8"})
+
+
+def test_sliding_window_models_fall_back_to_recompute(caplog):
+    from transformers import MistralConfig
+
+    path = tiny_model_dir("llama")
+    ref = Reference(path)
+    lm = make(str(path))
+    lm.model.config.__class__ = MistralConfig  # only the config check changes
+    lm.model.config.sliding_window = 16
+    assert "sliding-window" in kv_reuse_problem(lm.model)
+    with caplog.at_level(logging.WARNING):
+        fallback = AsyncTransformer(lm.model, lm.tokenizer, batch_size=8)
+    assert "KV reuse disabled" in caplog.text and not fallback.reuse_kv
+    lm.model.config.__class__ = type(Reference(path).model.config)
+    contexts = [[1, 2, 3], [1, 2, 3, 4]]
+    assert max_error(gather(fallback, contexts), contexts, ref) <= TOL
+    assert len(fallback.kv) == 0
+
+
+def test_quantization_options_map_to_bitsandbytes_config():
+    kwargs = load_kwargs(HFOptions(load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16", device="cpu"))
+    config = kwargs["quantization_config"]
+    assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16
+    assert load_kwargs(HFOptions(device="cpu"))["dtype"] == torch.float32
+    assert load_kwargs(HFOptions(hf_opts={"attn_implementation": "eager"}))["attn_implementation"] == "eager"

@@ -1,0 +1,79 @@
+"""LoRA adapters: each adapter's outputs match a plain peft forward; the adapter is part of every cache key."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from genlm_core.testing.models import tiny_model_dir
+from genlm_hf import AsyncTransformer
+
+peft = pytest.importorskip("peft", reason="LoRA needs genlm-hf[lora] (peft)")
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("llama")
+    out = {}
+    for i, name in enumerate(["a", "b"]):
+        torch.manual_seed(100 + i)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = get_peft_model(base, config)
+        folder = tmp_path_factory.mktemp(f"lora-{name}")
+        model.save_pretrained(folder)
+        out[name] = str(folder)
+    return str(path), out
+
+
+def reference(base_path, adapter_path, ids):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if adapter_path:
+        model = PeftModel.from_pretrained(model, adapter_path)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+
+
+def test_switching_adapters(adapters):
+    base, paths = adapters
+    lm = AsyncTransformer.from_name(base, lora=paths, batch_size=8)
+    ctx = [3, 4, 5, 6, 7]
+    expected = {name: reference(base, paths.get(name), ctx) for name in (None, "a", "b")}
+    assert (expected["a"] - expected[None]).abs().max() > 1e-2  # the adapters really change the model
+    seen = {}
+    for name in (None, "a", "b", None, "b", "a"):  # switch back and forth: cached results stay per adapter
+        lm.clear_lora() if name is None else lm.set_lora(name)
+        seen[name] = lm.next_token_logprobs_sync(ctx)
+        assert (seen[name].double() - expected[name]).abs().max() <= TOL
+        longer = ctx + [9, 10]
+        row = lm.next_token_logprobs_sync(longer)  # extends this adapter's own KV states
+        assert (row.double() - reference(base, paths.get(name), longer)).abs().max() <= TOL
+    with pytest.raises(ValueError, match="not loaded"):
+        lm.set_lora("c")
+
+
+def test_adapters_in_one_batch(adapters):
+    base, paths = adapters
+    lm = AsyncTransformer.from_name(base, lora=paths, batch_size=8, timeout=0.01)
+    ctx = [11, 12, 13]
+
+    async def under(name):
+        lm.clear_lora() if name is None else lm.set_lora(name)
+        return await lm.next_token_logprobs(ctx)
+
+    async def main():
+        return await asyncio.gather(under("a"), under("b"), under(None))
+
+    rows = asyncio.run(main())
+    for name, row in zip(("a", "b", None), rows):
+        assert (row.double() - reference(base, paths.get(name), ctx)).abs().max() <= TOL
