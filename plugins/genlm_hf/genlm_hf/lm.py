@@ -159,18 +159,20 @@ class AsyncTransformer(AsyncLM):
     # ---- the backend step ---------------------------------------------------------------------
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
-        out: torch.Tensor | None = None
         by_adapter: dict[str | None, list[int]] = {}
         for i, r in enumerate(requests):
             by_adapter.setdefault(r.adapter, []).append(i)
-        with torch.no_grad():
+        results = []
+        # inference mode: less per-op bookkeeping; its tensors stay inside (KV blocks), and the
+        # logits leave as an ordinary tensor, so callers may modify what they get.
+        with torch.inference_mode():
             for adapter, rows in by_adapter.items():
                 with self._adapter_active(adapter):
-                    logits = self._logits([requests[i].token_ids for i in rows], adapter)
-                if out is None:
-                    out = torch.empty(len(requests), logits.shape[-1], dtype=torch.float32, device=logits.device)
-                out[rows] = logits.float()
-        assert out is not None
+                    results.append((rows, self._logits([requests[i].token_ids for i in rows], adapter)))
+        width, device = results[0][1].shape[-1], results[0][1].device
+        out = torch.empty(len(requests), width, dtype=torch.float32, device=device)
+        for rows, logits in results:
+            out[rows] = logits.float()
         return out
 
     def _logits(self, sequences: list[tuple[int, ...]], adapter: str | None) -> torch.Tensor:

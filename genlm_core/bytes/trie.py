@@ -1,0 +1,267 @@
+"""``TokenByteTrie``: the token-character trie, seen as a byte-level automaton with EOT and EOS.
+
+Built on the core trie engines. Two modes: ``WITHOUT_EOS`` treats EOS tokens as ordinary tokens
+(their bytes are text, as during prefill); ``WITH_EOS`` moves their mass to a virtual EOS node
+below the root, reached by the EOS symbol (257) instead of by their bytes. Atomic tokens (e.g.
+special tokens whose text must not be spelled out byte by byte) are never entered by bytes:
+their mass counts at the root only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+from genlm_core.batching import AutoBatcher
+from genlm_core.plugins import get_plugins
+from genlm_core.trie.base import TrieBase
+from genlm_core.trie.index import END
+
+from .probs import EOS, EOT
+
+
+@numba.njit(cache=True, nogil=True)
+def _gather_leaves(p: np.ndarray, order: np.ndarray, out: np.ndarray) -> float:  # pragma: no cover - compiled
+    """``out[i] = p[order[i]]`` in float64; returns the float64 total."""
+    total = 0.0
+    for i in range(order.shape[0]):
+        x = np.float64(p[order[i]])
+        out[i] = x
+        total += x
+    return total
+
+
+class Masses:
+    """Node masses of one next-token distribution, computed on demand.
+
+    Every subtree is a contiguous run of leaves in preorder, so a node's mass is one float64 sum
+    over a slice of the leaf-ordered probabilities: a beam pays for the nodes it visits, not for
+    the whole trie, and tiny masses keep full relative precision (no differences are taken).
+    """
+
+    __slots__ = ("eos", "leaf_probs", "total", "trie")
+
+    def __init__(self, trie: TokenByteTrie, leaf_probs: np.ndarray, total: float, eos: float):
+        self.trie = trie
+        self.leaf_probs = leaf_probs
+        self.total = total  # the root's mass: every token, EOS and atomic ones included
+        self.eos = eos
+
+    def __getitem__(self, node: int) -> float:
+        if node == self.trie.root:
+            return self.total
+        if node == self.trie.eos_node:
+            return self.eos
+        return float(self.leaf_probs[self.trie.leaf_lo[node] : self.trie.leaf_hi[node]].sum())
+
+    def children(self, node: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(edge labels, masses)`` of all children of ``node`` (leaves have label END)."""
+        t = self.trie
+        lo, hi = t.kid_ptr[node], t.kid_ptr[node + 1]
+        if lo == hi:
+            return t.kid_edge[lo:hi], np.zeros(0)
+        first = t.leaf_lo[node]
+        sums = np.add.reduceat(self.leaf_probs[first : t.leaf_hi[node]], t.leaf_lo[t.kid_node[lo:hi]] - first)
+        return t.kid_edge[lo:hi], sums
+
+
+class TrieMode(Enum):
+    """How EOS tokens are treated."""
+
+    WITHOUT_EOS = "without_eos"  #: EOS tokens are ordinary tokens, spelled by their bytes
+    WITH_EOS = "with_eos"  #: EOS tokens' mass moves to the EOS node (symbol 257) below the root
+
+
+class TokenByteTrie:
+    """A byte-level view of the vocabulary ``decode`` (token id ``i`` is ``decode[i]``).
+
+    Node values are masses: ``weight_sum(probs, mode)`` gives ``(masses, eos_mass)`` where
+    ``masses[n]`` is the probability that the next token starts with node ``n``'s bytes and
+    ``eos_mass`` that it is an EOS token (WITH_EOS; 0 WITHOUT_EOS). The EOS node is the virtual node
+    number ``eos_node`` (just past the engine's nodes), reached from the root by the EOS symbol.
+    """
+
+    def __init__(
+        self,
+        decode: Sequence[bytes],
+        *,
+        engine: str = "numba",
+        eos_byte_strings: Iterable[bytes] = (),
+        eos_token_ids: Iterable[int] = (),
+        atomic_byte_strings: Iterable[bytes] = (),
+        **engine_kwargs: Any,
+    ):
+        if not len(decode):
+            raise ValueError("cannot build a byte trie over an empty vocabulary")
+        self.decode = list(decode)
+        self.trie: TrieBase = get_plugins().trie_engine(engine).load()(self.decode, **engine_kwargs)
+        index = self.trie.index
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, t in enumerate(self.decode):
+            by_bytes.setdefault(bytes(t), []).append(i)
+
+        def ids_of(strings: Iterable[bytes], what: str) -> set[int]:
+            out: set[int] = set()
+            for s in strings:  # a Token here counts by its bytes, like any bytes
+                if bytes(s) not in by_bytes:
+                    raise ValueError(f"{what} byte string {bytes(s)!r} is not in the vocabulary")
+                out.update(by_bytes[bytes(s)])
+            return out
+
+        self.eos_token_ids = sorted(ids_of(eos_byte_strings, "EOS") | {int(i) for i in eos_token_ids})
+        bad = [i for i in self.eos_token_ids if not 0 <= i < len(self.decode)]
+        if bad:
+            raise ValueError(f"EOS token ids {bad} are outside the vocabulary [0, {len(self.decode)})")
+        self.atomic_token_ids = sorted(ids_of(atomic_byte_strings, "atomic"))
+        self.root = self.trie.root
+        self.eos_node = self.trie.num_nodes
+        self.num_nodes = self.trie.num_nodes + 1
+        # children in CSR form: the children of n are kid_node[kid_ptr[n]:kid_ptr[n + 1]]
+        parent = index.parent[1:]
+        order = np.argsort(parent, kind="stable") + 1
+        self.kid_ptr = np.zeros(self.num_nodes + 1, np.int64)
+        np.cumsum(np.bincount(parent, minlength=self.num_nodes), out=self.kid_ptr[1:])
+        self.kid_node = order.astype(np.int64)
+        self.kid_edge = index.edge[order].astype(np.int64)
+        self._children: list[dict[int, int] | None] = [None] * self.num_nodes
+        # leaves in preorder, and each node's run of them: the leaves below n are leaf_order[leaf_lo[n]:leaf_hi[n]]
+        leaves = np.flatnonzero(index.node_token >= 0)
+        self.leaf_tokens = index.node_token[leaves].astype(np.int64)
+        nodes = np.arange(self.trie.num_nodes)
+        self.leaf_lo = np.searchsorted(leaves, nodes).astype(np.int64)
+        self.leaf_hi = np.searchsorted(leaves, index.subtree_end).astype(np.int64)
+        self._zeroed = {
+            TrieMode.WITHOUT_EOS: np.array(self.atomic_token_ids, np.int64),
+            TrieMode.WITH_EOS: np.array(sorted(set(self.atomic_token_ids) | set(self.eos_token_ids)), np.int64),
+        }
+        rank = np.empty(len(self.decode), np.int64)
+        rank[self.leaf_tokens] = np.arange(len(self.decode))
+        self._zeroed_ranks = {mode: rank[ids] for mode, ids in self._zeroed.items()}
+
+    @property
+    def node2prefix(self) -> list[bytes]:
+        return self.trie.node2prefix
+
+    def children(self, node: int) -> dict[int, int]:
+        """``{byte: child}`` of ``node`` (EOT leaves excluded; see :meth:`eot_edges`)."""
+        kids = self._children[node]
+        if kids is None:
+            lo, hi = self.kid_ptr[node], self.kid_ptr[node + 1]
+            kids = {int(e): int(n) for e, n in zip(self.kid_edge[lo:hi], self.kid_node[lo:hi]) if e != END}
+            self._children[node] = kids
+        return kids
+
+    def node_of(self, prefix: bytes) -> int | None:
+        """The node of byte string ``prefix``, or None when no token starts with it."""
+        node = self.root
+        for b in prefix:
+            found = self.children(node).get(b)
+            if found is None:
+                return None
+            node = found
+        return node
+
+    def eot_edges(self, node: int) -> list[tuple[int, int]]:
+        """``(leaf, token_id)`` of every token whose bytes are exactly ``node``'s prefix."""
+        lo, hi = self.kid_ptr[node], self.kid_ptr[node + 1]
+        kids = self.kid_node[lo:hi][self.kid_edge[lo:hi] == END]
+        return [(int(leaf), int(self.trie.index.node_token[leaf])) for leaf in kids]
+
+    def masses(self, probs: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> Masses:
+        """Lazy :class:`Masses` of one probability vector over the vocabulary (numpy or torch)."""
+        p = probs.detach().cpu().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
+        if p.shape != (len(self.decode),):
+            raise ValueError(f"expected {len(self.decode)} probabilities, got shape {p.shape}")
+        leaf_probs = np.empty(len(self.leaf_tokens))
+        total = _gather_leaves(p, self.leaf_tokens, leaf_probs)
+        leaf_probs[self._zeroed_ranks[mode]] = 0.0
+        eos = float(p[self.eos_token_ids].sum(dtype=np.float64)) if mode is TrieMode.WITH_EOS else 0.0
+        return Masses(self, leaf_probs, total, eos)
+
+    def logp_next(self, node: int, mass: Masses, mode: TrieMode) -> np.ndarray:
+        """Log-probabilities of the 256 bytes, EOT and EOS at ``node`` (258 entries, not renormalised)."""
+        out = np.zeros(258)
+        edges, sums = mass.children(node)
+        np.add.at(out, edges, sums)
+        if node == self.root and mode is TrieMode.WITH_EOS:
+            out[EOS] = mass.eos
+        with np.errstate(divide="ignore"):
+            return np.log(out) - math.log(mass[node])
+
+    def _prepare(self, ws: np.ndarray, mode: TrieMode) -> np.ndarray:
+        zeroed = self._zeroed[mode]
+        if len(zeroed):
+            ws = np.array(ws, dtype=np.float64)
+            ws[..., zeroed] = 0.0
+        return ws
+
+    def batch_weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, np.ndarray]:
+        """``(masses [batch, nodes], eos_mass [batch])`` for probability vectors ``ws`` ``[batch, vocab]``."""
+        return self._masses(self.trie.check_weights(ws), mode)
+
+    def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
+        """``(masses [nodes], eos_mass)`` for one probability vector."""
+        masses, eos = self.batch_weight_sum(ws, mode)
+        return masses[0], float(eos[0])
+
+    def _masses(self, checked: Any, mode: TrieMode) -> tuple[np.ndarray, np.ndarray]:
+        if isinstance(checked, torch.Tensor):
+            checked = checked.detach().cpu().numpy()
+        masses = np.asarray(self.trie._reduce(self._prepare(checked, mode), "sum"))
+        masses[:, self.root] = checked.sum(axis=1, dtype=np.float64)  # EOS and atomic mass count at the root
+        if mode is TrieMode.WITH_EOS and self.eos_token_ids:
+            eos = checked[:, self.eos_token_ids].sum(axis=1, dtype=np.float64)
+        else:
+            eos = np.zeros(checked.shape[0])
+        return masses, eos
+
+
+class AsyncTokenByteTrie:
+    """Concurrent ``await trie.weight_sum(probs, mode)`` calls, batched by the core AutoBatcher."""
+
+    def __init__(self, trie: TokenByteTrie, batch_size: int = 128, timeout: float = 0.0):
+        self.trie = trie
+        # timeout 0: the requests of one beam step are all issued before the event loop turns
+        self.batcher: AutoBatcher[tuple[TrieMode, Any], tuple[np.ndarray, float]] = AutoBatcher(
+            self._process, batch_size=batch_size, timeout=timeout, run_in_thread=True, name="byte-trie"
+        )
+
+    @classmethod
+    def from_vocab(
+        cls, vocab: Sequence[bytes], batch_size: int = 128, timeout: float = 0.0, **trie_kwargs: Any
+    ) -> AsyncTokenByteTrie:
+        """Build a :class:`TokenByteTrie` (``trie_kwargs``: engine, eos_byte_strings, ...) and wrap it."""
+        return cls(TokenByteTrie(vocab, **trie_kwargs), batch_size=batch_size, timeout=timeout)
+
+    def _process(self, items: list[tuple[TrieMode, np.ndarray]]) -> list[tuple[np.ndarray, float]]:
+        results: list[Any] = [None] * len(items)
+        for mode in TrieMode:
+            picked = [i for i, (m, _) in enumerate(items) if m is mode]
+            if picked:
+                masses, eos = self.trie._masses(np.stack([items[i][1] for i in picked]), mode)
+                for j, i in enumerate(picked):
+                    results[i] = (masses[j], float(eos[j]))
+        return results
+
+    async def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
+        """``(masses, eos_mass)`` for one probability vector (already checked: fails alone, at once)."""
+        checked = self.trie.trie.check_weights(ws)
+        if checked.shape[0] != 1:
+            raise ValueError("weight_sum takes one probability vector")
+        row = checked[0].detach().cpu().numpy() if isinstance(checked, torch.Tensor) else checked[0]
+        return await self.batcher.submit((mode, id(ws)), (mode, row))
+
+    def cleanup(self) -> None:
+        """Stop the worker thread."""
+        self.batcher.close()
+
+    shutdown = cleanup
+
+
+__all__ = ["EOS", "EOT", "AsyncTokenByteTrie", "TokenByteTrie", "TrieMode"]

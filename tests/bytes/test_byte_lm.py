@@ -1,0 +1,270 @@
+"""The byte-level LM against exact marginalisation over all tokenizations (brute force)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_core import AsyncLM, Token
+from genlm_core.bytes import (
+    EOS,
+    AsyncTokenByteTrie,
+    BeamParams,
+    ByteBeamState,
+    Chart,
+    LazyByteProbs,
+    StatefulTokenizedLM,
+    TokenByteTrie,
+    TrieMode,
+)
+from genlm_core.testing.tokenizers import toy_tokenizer
+from genlm_mock import MockAsyncLM
+
+WIDE = BeamParams(K=10_000, heal=False)
+
+
+async def exact_prefix_mass(
+    lm: AsyncLM, context: list[int], x: bytes, eos_ids: set[int], exclude_last: set[int]
+) -> float:
+    """Sum over every token sequence that spells a proper prefix of ``x`` exactly, followed by a token
+    whose bytes start with the rest of ``x`` (not one of ``exclude_last``), of its probability."""
+    vocab = [bytes(t) for t in lm.byte_vocab]
+    total = 0.0
+    stack = [(list(context), 0, 1.0)]
+    while stack:
+        ctx, m, p = stack.pop()
+        probs = (await lm.next_token_logprobs(ctx)).double().exp().numpy()
+        rest = x[m:]
+        for t, tb in enumerate(vocab):
+            if tb.startswith(rest) and t not in exclude_last:
+                total += p * probs[t]
+            if 0 < len(tb) < len(rest) and rest.startswith(tb):
+                stack.append((ctx + [t], m + len(tb), p * probs[t]))
+    return total
+
+
+async def exact_exact_spellings(lm: AsyncLM, context: list[int], x: bytes) -> list[tuple[list[int], float]]:
+    """Every token sequence spelling exactly ``x``, with its probability."""
+    vocab = [bytes(t) for t in lm.byte_vocab]
+    out, stack = [], [(list(context), 0, 1.0)]
+    while stack:
+        ctx, m, p = stack.pop()
+        if m == len(x):
+            out.append((ctx, p))
+            continue
+        probs = (await lm.next_token_logprobs(ctx)).double().exp().numpy()
+        for t, tb in enumerate(vocab):
+            if tb and x[m:].startswith(tb):
+                stack.append((ctx + [t], m + len(tb), p * probs[t]))
+    return out
+
+
+async def exact_next_byte(lm: AsyncLM, context: list[int], x: bytes, eos_ids: set[int]) -> np.ndarray:
+    """Exact next-symbol log-probabilities after ``x`` (bytes 0..255, EOS at 257), normalised."""
+    out = np.full(258, -np.inf)
+    for b in range(256):
+        mass = await exact_prefix_mass(lm, context, x + bytes([b]), eos_ids, exclude_last=eos_ids)
+        out[b] = math.log(mass) if mass > 0 else -np.inf
+    eos_mass = 0.0
+    for ctx, p in await exact_exact_spellings(lm, context, x):
+        probs = (await lm.next_token_logprobs(ctx)).double().exp().numpy()
+        eos_mass += p * probs[sorted(eos_ids)].sum()
+    out[EOS] = math.log(eos_mass) if eos_mass > 0 else -np.inf
+    finite = out[np.isfinite(out)]
+    return out - (np.log(np.exp(finite - finite.max()).sum()) + finite.max())
+
+
+@pytest.fixture(scope="module")
+def mock_lm():
+    return MockAsyncLM(toy_tokenizer(), scale=1.5, batch_size=64, timeout=0.001)
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from genlm_core.testing.models import tiny_model_dir
+    from genlm_hf import AsyncTransformer
+
+    return AsyncTransformer.from_name(str(tiny_model_dir("llama", tokenizer="toy")), batch_size=64, timeout=0.001)
+
+
+@pytest.mark.parametrize("which", ["mock_lm", "tiny_lm"])
+@pytest.mark.parametrize("text", [b" the ab", b"abc the", b"th"])
+def test_wide_beam_equals_exact_marginalisation(request, which, text):
+    lm = request.getfixturevalue(which)
+    eos = {lm.tokenizer.eos_token_id}
+
+    async def main():
+        beam = await ByteBeamState.initial(lm, WIDE)
+        context = beam.states[0].lm_state.context
+        after = await beam.prefill(text)
+        exact = await exact_prefix_mass(lm, context, text, eos, exclude_last=set())
+        assert after.logZ == pytest.approx(math.log(exact), abs=1e-6)
+        got = (await after.logp_next()).ps
+        want = await exact_next_byte(lm, context, text, eos)
+        np.testing.assert_allclose(got, want, atol=1e-6)
+        beam.cleanup()
+
+    asyncio.run(main())
+
+
+def test_prefill_equals_stepping_bytes_one_by_one(mock_lm):
+    async def main():
+        beam = await ByteBeamState.initial(mock_lm, BeamParams(K=3))
+        prefilled = await beam.prefill(b"the abc")
+        stepped = beam
+        for b in b"the abc":  # no EOS bytes in this text: both modes agree
+            stepped = await (stepped.prune() << b)
+        assert prefilled.logZ == pytest.approx(stepped.logZ, abs=1e-9)
+        np.testing.assert_allclose((await prefilled.logp_next()).ps, (await stepped.logp_next()).ps, atol=1e-9)
+        beam.cleanup()
+
+    asyncio.run(main())
+
+
+def test_eos_probability_is_logsumexp_of_eos_tokens(mock_lm):
+    async def main():
+        eos_ids = [0, 100]  # "<eos>" and the byte "c"
+        params = BeamParams(K=5, eos_tokens=[mock_lm.byte_vocab[0], 100])  # a Token and an id
+        beam = await ByteBeamState.initial(mock_lm, params)
+        logprobs = await mock_lm.next_token_logprobs(beam.states[0].lm_state.context)
+        q = await beam.logp_next()
+        assert q[EOS] == pytest.approx(torch.logsumexp(logprobs[eos_ids].double(), 0).item(), abs=1e-6)
+        assert q[ord("c")] == -np.inf  # no other token starts with "c": its mass went to EOS
+        beam.cleanup()
+
+    asyncio.run(main())
+
+
+def test_eos_token_given_as_token_is_not_lost(mock_lm):
+    trie = TokenByteTrie(mock_lm.byte_vocab, eos_byte_strings=[Token(b"<eos>", 0)])
+    assert trie.eos_token_ids == [0]
+    ws = np.exp((mock_lm.next_token_logprobs_sync([1])).double().numpy())
+    with_eos, eos_with = trie.weight_sum(ws, TrieMode.WITH_EOS)
+    without, eos_without = trie.weight_sum(ws, TrieMode.WITHOUT_EOS)
+    assert eos_with == pytest.approx(ws[0]) and eos_without == 0
+    lt = trie.node_of(b"<")
+    assert without[lt] - with_eos[lt] == pytest.approx(ws[0])  # its mass left the byte path
+    assert with_eos[trie.root] == pytest.approx(ws.sum()) == without[trie.root]
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        TokenByteTrie(mock_lm.byte_vocab, eos_byte_strings=[b"<nope>"])
+
+
+def test_duplicate_tokens(mock_lm):
+    tok = toy_tokenizer.__wrapped__()
+    tok.add_tokens([" the"])  # same bytes as the regular token "Ġthe"
+    lm = MockAsyncLM(tok, scale=1.5)
+    eos = {tok.eos_token_id}
+
+    async def main():
+        beam = await ByteBeamState.initial(lm, WIDE)
+        context = beam.states[0].lm_state.context
+        after = await beam.prefill(b" the")
+        exact = await exact_prefix_mass(lm, context, b" the", eos, exclude_last=set())
+        assert after.logZ == pytest.approx(math.log(exact), abs=1e-6)
+        np.testing.assert_allclose(
+            (await after.logp_next()).ps, await exact_next_byte(lm, context, b" the", eos), atol=1e-6
+        )
+        committed = {s.lm_state.context[-1] for s in after.states if s.node == s.trie.trie.root}
+        assert {tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids(" the")} <= committed | {
+            e.lm_state.context[-1] for s in after.states for e in s.extend_all()
+        }
+        beam.cleanup()
+
+    asyncio.run(main())
+
+
+class PreferLM(AsyncLM):
+    """Puts most mass on one token, whatever the context (to make a narrow beam predictable)."""
+
+    def __init__(self, tokenizer, favourite):
+        super().__init__(tokenizer, batch_size=16, timeout=0.001)
+        self.favourite = favourite
+
+    def forward_batch(self, requests):
+        logits = torch.zeros(len(requests), self.vocab_size)
+        logits[:, self.favourite] = 8.0
+        return logits
+
+
+def test_healing_recovers_prompt_ending_mid_token():
+    tok = toy_tokenizer()
+    lm = PreferLM(tok, tok.convert_tokens_to_ids("Ġthe"))
+
+    async def run(heal):
+        beam = await ByteBeamState.initial(lm, BeamParams(K=1, heal=heal))
+        beam = await beam.prefill(b" th")  # K=1 keeps " th" inside the favoured " the"
+        assert beam.states[0].partial == b" th"
+        after = await (beam.prune() << ord("x"))
+        beam.cleanup()
+        return after
+
+    failed = asyncio.run(run(heal=False))
+    assert len(failed) == 0
+    with pytest.raises(ValueError, match="beam is empty"):
+        asyncio.run(failed.logp_next())
+    healed = asyncio.run(run(heal=True))
+    assert len(healed) == 1 and math.isfinite(healed.logZ)
+    (state,) = healed.states
+    spelled = b"".join(bytes(lm.byte_vocab[i]) for i in state.lm_state.context[1:]) + state.partial
+    assert spelled == b" thx"
+
+
+def test_max_context_length_kept_across_steps(mock_lm):
+    state = StatefulTokenizedLM.initial(mock_lm, [1, 2], max_context_length=3)
+    for t in range(10):
+        state = state << 5 + t
+        assert len(state.context) <= 3 and state.max_context_length == 3
+    assert state.context == [12, 13, 14]
+
+
+def test_initial_context_uses_bos_only_where_the_tokenizer_has_one():
+    from genlm_core.bytes.lm_state import default_initial_context
+    from genlm_core.testing.tokenizers import load_tokenizer
+
+    llama = MockAsyncLM(load_tokenizer("mistral-v1"))
+    assert default_initial_context(llama) == [1]  # <s>
+    no_bos = toy_tokenizer.__wrapped__()
+    no_bos.bos_token = None
+    lm = MockAsyncLM(no_bos)
+    assert lm.tokenizer.bos_token_id is None
+    assert default_initial_context(lm) == [no_bos.eos_token_id]  # never [None]
+
+
+def test_lazy_byte_probs_and_chart():
+    ps = np.full(258, -np.inf)
+    ps[ord("a")], ps[EOS] = math.log(0.75), math.log(0.25)
+    q = LazyByteProbs(ps)
+    assert q[ord("a")] == pytest.approx(math.log(0.75)) and q[None] == -np.inf and q.argmax() == ord("a")
+    chart = q.materialize().map_values(math.exp)
+    assert chart[ord("a")] == pytest.approx(0.75) and chart[EOS] == pytest.approx(0.25)
+    assert q.pretty().map_values(math.exp).trim() == pytest.approx({"a": 0.75, "EOS": 0.25})
+    assert Chart(0, {"x": 1}) + Chart(0, {"x": 2, "y": 1}) == {"x": 3, "y": 1}
+    with pytest.raises(ValueError):
+        LazyByteProbs(np.zeros(10))
+
+
+def test_async_byte_trie_batches(mock_lm):
+    trie = AsyncTokenByteTrie.from_vocab(mock_lm.byte_vocab, eos_token_ids=[0], batch_size=8)
+    rows = [np.exp(mock_lm.next_token_logprobs_sync([i]).double().numpy()) for i in range(1, 6)]
+
+    async def main():
+        return await asyncio.gather(*(trie.weight_sum(w, TrieMode.WITH_EOS) for w in rows))
+
+    out = asyncio.run(main())
+    for w, (masses, eos) in zip(rows, out):
+        want, want_eos = trie.trie.weight_sum(w, TrieMode.WITH_EOS)
+        np.testing.assert_allclose(masses, want)
+        assert eos == pytest.approx(want_eos) and eos > 0
+    assert trie.batcher.stats.batches == 1
+    trie.cleanup()
+
+
+def test_beam_params_validation():
+    with pytest.raises(ValueError, match="K"):
+        BeamParams(K=0)
+    with pytest.raises(ValueError, match="prune_threshold"):
+        BeamParams(K=1, prune_threshold=1.5)
