@@ -102,7 +102,7 @@ def smollm2_dir(dtype: str = "float32") -> Path:
         log.info("converting SmolLM2-135M from %s (once)", wheel_member)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=wheel_member.name)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=wheel_member.name, dtype=getattr(torch, dtype))
-        model.hf_quantizer = None  # the weights are dequantized already  # type: ignore[assignment]
+        model.hf_quantizer = None  # type: ignore[assignment]  # the weights are dequantized already
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(dest)
