@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import numba
 import numpy as np
 import torch
@@ -51,6 +54,32 @@ def _batch(
             _sum_into(out[b], ws[b], index_arrays)
 
 
+class OutputPool:
+    """Output arrays whose memory is reused once no array views it any more.
+
+    Large fresh allocations are page-faulted (and zeroed by the kernel) on first touch, which costs
+    as much as the trie sweep itself at batch 128; results the caller has dropped are recycled
+    instead. An array still referenced anywhere is never handed out again.
+    """
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def empty(self, rows: int, cols: int) -> np.ndarray:
+        with self._lock:
+            for i in range(len(self._buffers)):
+                buf = self._buffers[i]
+                # references: the list, `buf`, getrefcount's argument; a live result or view adds one
+                if buf.shape == (rows, cols) and sys.getrefcount(buf) == 3:
+                    self._buffers.append(self._buffers.pop(i))
+                    return buf
+            buf = np.empty((rows, cols))
+            self._buffers = [*self._buffers[-(self.keep - 1) :], buf] if self.keep > 1 else [buf]
+            return buf
+
+
 class TokenCharacterTrie(TrieBase):
     """CPU trie engine: float64 results as numpy arrays ``[num_nodes]`` / ``[batch, num_nodes]``.
 
@@ -60,10 +89,14 @@ class TokenCharacterTrie(TrieBase):
     (1.0, 0.75)
     """
 
+    _pool: OutputPool | None = None
+
     def _reduce(self, ws: np.ndarray | torch.Tensor, op: str) -> np.ndarray:
         if isinstance(ws, torch.Tensor):  # a CUDA tensor (CPU ones arrive as numpy)
             ws = ws.detach().cpu().numpy()
-        out = np.empty((ws.shape[0], self.num_nodes), np.float64)
+        if self._pool is None:
+            self._pool = OutputPool()
+        out = self._pool.empty(ws.shape[0], self.num_nodes)
         ix = self.index
         arrays = (ix.token_leaf, ix.leaf_parent, ix.inner, ix.inner_parent)
         if ws.shape[0] == 1:

@@ -208,3 +208,17 @@ async def test_async_trie_same_vector_computed_once():
     a, b = await asyncio.gather(trie.weight_sum(w), trie.weight_sum(w))
     assert a is b and trie.batcher.stats.items == 1
     trie.cleanup()
+
+
+def test_output_buffers_are_reused_only_when_no_result_views_them():
+    trie = TokenCharacterTrie([b"a", b"b", b"ab"])
+    first = trie.weight_sum(np.array([0.2, 0.3, 0.5]))
+    kept = first.copy()
+    second = trie.weight_sum(np.array([0.5, 0.25, 0.25]))  # `first` is alive: fresh memory
+    np.testing.assert_array_equal(first, kept)
+    assert not np.shares_memory(first, second)
+    address = second.__array_interface__["data"][0]
+    del second
+    third = trie.batch_weight_sum(np.array([[0.1, 0.1, 0.8]]))
+    assert third.__array_interface__["data"][0] == address  # dropped result's memory recycled
+    np.testing.assert_array_equal(first, kept)
