@@ -1,14 +1,9 @@
 """``AsyncTransformer``: a transformers causal LM behind the AsyncLM protocol, with automatic KV reuse.
 
-How a batch runs (``forward_batch``): each request's longest cached prefix is looked up in the
-core :class:`~genlm_core.prefix_cache.PrefixCache`; only the remaining tokens go through the
-model. The KV states of the cached prefixes are laid out as the batch's past: when every row
-extends one earlier batch (the usual step of a particle program), that batch's tensors are used
-as they are (after an ``index_select`` if rows were resampled); otherwise each source batch is
-right-aligned in a padded past. New tokens are left-padded so every row ends at the last
-position. Real positions are passed explicitly and a 2-D mask hides every pad, so holes in the
-past are harmless. The KV tensors the forward produced become one new cache block shared by all
-rows of the batch.
+Which KV states are reused and how a batch is laid out is decided once, in core
+(:mod:`genlm_core.kv_reuse`); this module does the torch side: gather the cached prefixes into the
+batch's past (no copy when the batch is exactly one earlier batch's rows), run the new tokens with
+explicit positions and a 2-D mask, and keep the resulting KV tensors as a new block.
 """
 
 from __future__ import annotations
@@ -17,13 +12,12 @@ import contextlib
 import gc
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from genlm_core import AsyncLM, Request
-from genlm_core.prefix_cache import PrefixCache
+from genlm_core.kv_reuse import BatchPlan, KVReuse
 from genlm_hf.options import HFOptions
 
 log = logging.getLogger(__name__)
@@ -43,7 +37,7 @@ _RECURRENT_MODEL_TYPES = {
 
 class KVBlock:
     """The KV states one forward pass produced: per layer ``(keys, values)`` of shape
-    ``[batch, heads, length, head_dim]``, and ``mask[row, position]``: whether that position holds
+    ``[rows, heads, length, head_dim]``, and ``mask[row, position]``: whether that position holds
     a real token of the row (pads and holes are False)."""
 
     __slots__ = ("kv", "mask", "nbytes")
@@ -54,15 +48,12 @@ class KVBlock:
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes
 
     @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
     def length(self) -> int:
         return int(self.mask.shape[1])
-
-
-@dataclass
-class _Row:
-    ids: tuple[int, ...]
-    done: int  # tokens whose KV states are in `entry`
-    entry: tuple[KVBlock, int] | None  # (block, row in block)
 
 
 def kv_reuse_problem(model: Any) -> str | None:
@@ -92,7 +83,7 @@ def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
     return cache
 
 
-class AsyncTransformer(AsyncLM):
+class AsyncTransformer(KVReuse, AsyncLM):
     """A Hugging Face causal LM: batched, exact next-token logprobs with automatic KV reuse.
 
     Build with :meth:`from_name` (or ``load_model_by_name(name, backend="hf")``); or wrap a loaded
@@ -107,15 +98,12 @@ class AsyncTransformer(AsyncLM):
         )
         self.model = model.eval()
         self.device = model.get_input_embeddings().weight.device
-        self.kv = PrefixCache(o.kv_cache_entries, o.kv_cache_bytes)
         problem = kv_reuse_problem(model)
         if problem and o.reuse_kv:
             log.warning(
                 "%s: KV reuse disabled (%s); every request is computed from scratch", type(model).__name__, problem
             )
-        self.reuse_kv = o.reuse_kv and problem is None
-        self.forward_calls = 0  # forward passes run
-        self.tokens_computed = 0  # real (non-pad) tokens those passes computed
+        self.init_kv_reuse(o.kv_cache_entries, o.kv_cache_bytes, o.reuse_kv and problem is None, o.prefill_chunk_size)
         self._adapter: str | None = None
         self._adapters: set[str] = set()
         for name, path in o.lora.items():
@@ -168,55 +156,32 @@ class AsyncTransformer(AsyncLM):
         with torch.inference_mode():
             for adapter, rows in by_adapter.items():
                 with self._adapter_active(adapter):
-                    results.append((rows, self._logits([requests[i].token_ids for i in rows], adapter)))
+                    results.append((rows, self.kv_logits([requests[i].token_ids for i in rows], adapter)))
         width, device = results[0][1].shape[-1], results[0][1].device
         out = torch.empty(len(requests), width, dtype=torch.float32, device=device)
         for rows, logits in results:
             out[rows] = logits.float()
         return out
 
-    def _logits(self, sequences: list[tuple[int, ...]], adapter: str | None) -> torch.Tensor:
-        rows = []
-        for ids in sequences:
-            hit = self.kv.longest_prefix(adapter, ids, len(ids) - 1) if self.reuse_kv else None
-            rows.append(_Row(ids, hit.length, hit.value) if hit else _Row(ids, 0, None))
-        chunk = self.options.prefill_chunk_size
-        while long := [r for r in rows if len(r.ids) - r.done > chunk]:
-            _, entries = self._run([_Row(r.ids[: r.done + chunk], r.done, r.entry) for r in long], adapter)
-            for r, entry in zip(long, entries):
-                r.done, r.entry = r.done + chunk, entry
-        logits, _ = self._run(rows, adapter)
-        return logits
-
-    def _past(self, rows: list[_Row]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
+    def _past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
         """The batch's past KV and its mask ``[batch, past_length]``, from the rows' cached prefixes."""
-        groups: dict[int, tuple[KVBlock, list[int], list[int]]] = {}  # block -> (block, batch rows, its rows)
-        for b, r in enumerate(rows):
-            if r.entry is not None:
-                block, src = r.entry
-                _, dst_rows, src_rows = groups.setdefault(id(block), (block, [], []))
-                dst_rows.append(b)
-                src_rows.append(src)
-        if not groups:
-            return None, torch.zeros(len(rows), 0, dtype=torch.bool, device=self.device)
-        if len(groups) == 1:
-            block, dst, src = next(iter(groups.values()))
-            if len(dst) == len(rows):
-                if src == list(range(block.mask.shape[0])):
-                    return block.kv, block.mask  # the same rows in the same order: no copy at all
-                index = torch.tensor(src, device=self.device)
-                return [(k.index_select(0, index), v.index_select(0, index)) for k, v in block.kv], block.mask[index]
-        length = max(block.length for block, _, _ in groups.values())
-        template = next(iter(groups.values()))[0].kv
+        n = len(plan.rows)
+        if not plan.groups:
+            return None, torch.zeros(n, 0, dtype=torch.bool, device=self.device)
+        whole = plan.reuses_whole_block()
+        if whole is not None:
+            return whole.kv, whole.mask  # the same rows in the same order: no copy at all
+        if plan.reuses_one_block():
+            block, _, src = plan.groups[0]
+            index = torch.tensor(src, device=self.device)
+            return [(k.index_select(0, index), v.index_select(0, index)) for k, v in block.kv], block.mask[index]
+        length = plan.past_length
         kv = [
-            (
-                k.new_zeros(len(rows), k.shape[1], length, k.shape[3]),
-                v.new_zeros(len(rows), v.shape[1], length, v.shape[3]),
-            )
-            for k, v in template
+            (k.new_zeros(n, k.shape[1], length, k.shape[3]), v.new_zeros(n, v.shape[1], length, v.shape[3]))
+            for k, v in plan.groups[0][0].kv
         ]
-        mask = torch.zeros(len(rows), length, dtype=torch.bool, device=self.device)
-        for block, dst, src in groups.values():
+        mask = torch.zeros(n, length, dtype=torch.bool, device=self.device)
+        for block, dst, src in plan.groups:
             d = torch.tensor(dst, device=self.device)
             s = torch.tensor(src, device=self.device)
             start = length - block.length
@@ -226,36 +191,19 @@ class AsyncTransformer(AsyncLM):
             mask[d, start:] = block.mask[s]
         return kv, mask
 
-    def _run(self, rows: list[_Row], adapter: str | None) -> tuple[torch.Tensor, list[tuple[KVBlock, int]]]:
-        """One forward pass over the rows' new tokens; returns last-position logits and KV entries."""
-        past, past_mask = self._past(rows)
-        width = max(len(r.ids) - r.done for r in rows)
-        n = len(rows)
-        input_ids = torch.zeros(n, width, dtype=torch.long)
-        new_mask = torch.zeros(n, width, dtype=torch.bool)
-        positions = torch.zeros(n, width, dtype=torch.long)
-        for b, r in enumerate(rows):
-            new = r.ids[r.done :]
-            input_ids[b, width - len(new) :] = torch.tensor(new)
-            new_mask[b, width - len(new) :] = True
-            positions[b, width - len(new) :] = torch.arange(r.done, len(r.ids))
-        mask = torch.cat([past_mask, new_mask.to(self.device)], dim=1)
-        self.forward_calls += 1
-        self.tokens_computed += int(new_mask.sum())
+    def forward_new(self, plan: BatchPlan) -> tuple[torch.Tensor, KVBlock]:
+        past, past_mask = self._past(plan)
+        mask = torch.cat([past_mask, torch.from_numpy(plan.new_mask).to(self.device)], dim=1)
         out = self.model(
-            input_ids=input_ids.to(self.device),
+            input_ids=torch.from_numpy(plan.input_ids).to(self.device),
             attention_mask=mask.long(),
-            position_ids=positions.to(self.device),
+            position_ids=torch.from_numpy(plan.positions).to(self.device),
             past_key_values=_dynamic_cache(past),
             use_cache=True,
             logits_to_keep=1,
         )
         block = KVBlock([(layer.keys, layer.values) for layer in out.past_key_values.layers], mask)
-        entries = [(block, b) for b in range(n)]
-        if self.reuse_kv:
-            for b, r in enumerate(rows):
-                self.kv.put(adapter, r.ids, entries[b], block, block.nbytes)
-        return out.logits[:, -1, :], entries
+        return out.logits[:, -1, :], block
 
     def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
         """Run ``prompt_tokens`` now so that later requests extending it start from its KV states."""
