@@ -1,0 +1,25 @@
+"""Registers the ``mlx`` backend (mlx is imported only when it is used)."""
+
+from genlm_core import Register, hookimpl
+from genlm_mlx.options import MLXOptions
+
+
+def unavailable_reason() -> str | None:
+    """Why MLX cannot run here, or None."""
+    try:
+        import mlx.core  # noqa: F401
+        import mlx_lm  # noqa: F401
+    except ImportError as exc:
+        return f"{exc.name or 'mlx'} is not installed (pip install 'genlm-mlx[cpu]' on Linux)"
+    return None
+
+
+@hookimpl
+def register_backends(register: Register) -> None:
+    register.backend(
+        "mlx",
+        "genlm_mlx.lm:AsyncMlxLM.from_options",
+        options=MLXOptions,
+        description="MLX via mlx-lm (Apple silicon; CPU on Linux); automatic KV reuse.",
+        check=unavailable_reason,
+    )

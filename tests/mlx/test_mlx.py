@@ -1,0 +1,116 @@
+"""genlm-mlx against genlm-hf on the same tiny float32 models: max |Δ logprob| <= 1e-4."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+mx = pytest.importorskip("mlx.core", reason="MLX cannot be imported on this machine")
+
+from genlm_core import OptionsError, load_model_by_name  # noqa: E402
+from genlm_core.testing.models import tiny_model_dir  # noqa: E402
+from genlm_hf import AsyncTransformer  # noqa: E402
+from genlm_mlx import AsyncMlxLM  # noqa: E402
+
+TOL = 1e-4
+
+
+def gather(lm, contexts):
+    async def main():
+        return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
+    return asyncio.run(main())
+
+
+def max_diff(a, b):
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def pair():
+    path = str(tiny_model_dir("llama"))
+    return AsyncMlxLM.from_name(path, batch_size=16, timeout=0.005), AsyncTransformer.from_name(path, batch_size=16)
+
+
+def test_single(pair):
+    mlx_lm, hf = pair
+    for ctx in ([1], [5, 6, 7], list(range(100, 180))):
+        assert max_diff([mlx_lm.next_token_logprobs_sync(ctx)], [hf.next_token_logprobs_sync(ctx)]) <= TOL
+
+
+def test_concurrent_ragged_batches(pair):
+    mlx_lm, hf = pair
+    g = torch.Generator().manual_seed(1)
+    contexts = [
+        torch.randint(0, 5000, (int(n),), generator=g).tolist() for n in torch.randint(1, 50, (20,), generator=g)
+    ]
+    calls = mlx_lm.forward_calls
+    assert max_diff(gather(mlx_lm, contexts), gather(hf, contexts)) <= TOL
+    assert mlx_lm.forward_calls - calls == 2  # batched: 20 requests, batch size 16
+
+
+def test_deep_prefix_reuse_and_resampling(pair):
+    mlx_lm, hf = pair
+    prompt = list(range(2000, 2300))
+    mlx_lm.next_token_logprobs_sync(prompt)
+    ctx = list(prompt)
+    for step in range(10):
+        ctx.append(step + 40)
+        before = mlx_lm.tokens_computed
+        row = mlx_lm.next_token_logprobs_sync(ctx)
+        assert mlx_lm.tokens_computed - before == 1
+        assert max_diff([row], [hf.next_token_logprobs_sync(ctx)]) <= TOL
+    particles = [ctx + [i] for i in range(6)]
+    gather(mlx_lm, particles)
+    resampled = [particles[i] + [7] for i in (5, 5, 0, 2, 2, 1)]  # duplicated and reordered rows
+    before = mlx_lm.tokens_computed
+    assert max_diff(gather(mlx_lm, resampled), gather(hf, resampled)) <= TOL
+    assert mlx_lm.tokens_computed - before == 4
+    mixed = [prompt[:50] + [1, 2], ctx + [3], [9, 9]]  # different cached prefixes and none
+    assert max_diff(gather(mlx_lm, mixed), gather(hf, mixed)) <= TOL
+
+
+def test_rope_parameters_block_is_not_ignored():
+    import mlx_lm
+
+    path = str(tiny_model_dir("llama", rope_theta=500000.0))
+    hf = AsyncTransformer.from_name(path)
+    ours = AsyncMlxLM.from_name(path)
+    ctx = list(range(300, 420))
+    want = hf.next_token_logprobs_sync(ctx)
+    assert max_diff([ours.next_token_logprobs_sync(ctx)], [want]) <= TOL
+    plain, _ = mlx_lm.load(path)  # what a bare mlx-lm load gives: rope_theta silently 10000
+    naive = torch.log_softmax(torch.from_numpy(__import__("numpy").array(plain(mx.array([ctx]))[0, -1])), -1)
+    assert (naive.double() - want.double()).abs().max().item() > 1e-3
+
+
+def test_unplanned_model_type_falls_back_exactly(monkeypatch, caplog):
+    monkeypatch.setattr("genlm_mlx.lm.PLANNED_MODEL_TYPES", set())  # as for an architecture not vetted
+    path = str(tiny_model_dir("llama"))
+    ours = AsyncMlxLM.from_name(path)
+    assert not ours.planned and not ours.reuse_kv and "computed alone" in caplog.text
+    hf = AsyncTransformer.from_name(path)
+    contexts = [[1, 2, 3], [4], [5, 6]]
+    assert max_diff(gather(ours, contexts), gather(hf, contexts)) <= TOL
+
+
+def test_sampling_batched_and_stops_on_eos(pair):
+    mlx_lm, hf = pair
+    greedy = asyncio.run(hf.sample([5, 6], 6, eos_token_ids=[], temperature=0))
+    assert asyncio.run(mlx_lm.sample([5, 6], 6, eos_token_ids=[], temperature=0)) == greedy
+    stop = greedy[2]
+    out = asyncio.run(mlx_lm.sample([5, 6], 6, eos_token_ids=[stop], temperature=0))
+    assert out == greedy[: greedy.index(stop) + 1]
+    calls = mlx_lm.forward_calls
+    outs = asyncio.run(mlx_lm.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
+    assert [len(o) for o in outs] == [4, 4, 4] and mlx_lm.forward_calls - calls <= 5
+
+
+def test_registry_and_options():
+    path = str(tiny_model_dir("llama"))
+    lm = load_model_by_name(path, backend="mlx", llm_opts={"batch_size": 3, "kv_cache_entries": 7})
+    assert isinstance(lm, AsyncMlxLM) and lm.batcher.batch_size == 3 and lm.kv.max_entries == 7
+    with pytest.raises(OptionsError, match=r"backend 'mlx'.*unknown option 'chunk'"):
+        load_model_by_name(path, backend="mlx", llm_opts={"chunk": 3})
