@@ -15,24 +15,32 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from genlm_core.prefix_cache import PrefixCache
 
 
-class KVBlock(Protocol):
-    """What a backend's block must expose: how long it is and how many bytes it holds."""
+class KVBlock:
+    """The KV states one forward pass produced: per layer ``(keys, values)`` arrays of shape
+    ``[rows, heads, length, head_dim]`` (torch, MLX, ...), and ``mask[row, position]``: whether that
+    position holds a real token of the row (pads and holes are False)."""
+
+    __slots__ = ("kv", "mask", "nbytes")
+
+    def __init__(self, kv: list[tuple[Any, Any]], mask: Any):
+        self.kv = kv
+        self.mask = mask
+        self.nbytes = int(sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes)
 
     @property
-    def rows(self) -> int: ...  # sequences (batch rows) it holds
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
 
     @property
-    def length(self) -> int: ...  # positions per row
-
-    @property
-    def nbytes(self) -> int: ...
+    def length(self) -> int:
+        return int(self.mask.shape[1])
 
 
 @dataclass

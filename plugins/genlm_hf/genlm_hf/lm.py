@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from genlm_core import AsyncLM, Request
-from genlm_core.kv_reuse import BatchPlan, KVReuse
+from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_hf.options import HFOptions
 
 log = logging.getLogger(__name__)
@@ -33,27 +33,6 @@ _RECURRENT_MODEL_TYPES = {
     "bamba",
     "recurrent_gemma",
 }
-
-
-class KVBlock:
-    """The KV states one forward pass produced: per layer ``(keys, values)`` of shape
-    ``[rows, heads, length, head_dim]``, and ``mask[row, position]``: whether that position holds
-    a real token of the row (pads and holes are False)."""
-
-    __slots__ = ("kv", "mask", "nbytes")
-
-    def __init__(self, kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor):
-        self.kv = kv
-        self.mask = mask
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes
-
-    @property
-    def rows(self) -> int:
-        return int(self.mask.shape[0])
-
-    @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
 
 
 def kv_reuse_problem(model: Any) -> str | None:

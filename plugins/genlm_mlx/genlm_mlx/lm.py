@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from genlm_core import AsyncLM, Request
-from genlm_core.kv_reuse import BatchPlan, KVReuse
+from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_mlx.options import MLXOptions
 
 log = logging.getLogger(__name__)
@@ -28,26 +28,6 @@ log = logging.getLogger(__name__)
 #: mlx-lm model types whose layers take RoPE offsets from the cache and whose logits are the LM head of
 #: the final hidden state (so the planned cache and the last-position head are exact).
 PLANNED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-
-
-class MlxKVBlock:
-    """KV states of one forward pass: per layer ``(keys, values)`` ``[rows, heads, length, dim]`` and
-    ``mask[row, position]`` (True on real tokens)."""
-
-    __slots__ = ("kv", "mask", "nbytes")
-
-    def __init__(self, kv: list[tuple[mx.array, mx.array]], mask: mx.array):
-        self.kv = kv
-        self.mask = mask
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes
-
-    @property
-    def rows(self) -> int:
-        return int(self.mask.shape[0])
-
-    @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
 
 
 class _PlannedCache:
@@ -181,7 +161,7 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         ]
         return kv, mx.concatenate(parts_mask, axis=0)[inverse]
 
-    def forward_new(self, plan: BatchPlan) -> tuple[mx.array, MlxKVBlock]:
+    def forward_new(self, plan: BatchPlan) -> tuple[mx.array, KVBlock]:
         past, past_mask = self._past(plan)
         width = plan.width
         new_mask = mx.array(plan.new_mask)
@@ -200,7 +180,7 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         hidden = self.model.model(mx.array(plan.input_ids), cache=caches)[:, -1:, :]
         head = self.model.lm_head if hasattr(self.model, "lm_head") else self.model.model.embed_tokens.as_linear
         logits = head(hidden)[:, 0, :]
-        block = MlxKVBlock([(c.keys, c.values) for c in caches], valid)
+        block = KVBlock([(c.keys, c.values) for c in caches], valid)
         mx.eval(logits, *[a for kv in block.kv for a in kv], block.mask)
         return logits, block
 
