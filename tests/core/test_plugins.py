@@ -117,7 +117,9 @@ def test_third_party_plugin_registered_per_test(fresh_plugins, toy_tok):
         get_plugins().backend("bigram")
 
 
-def test_unknown_backend_lists_installed_and_pip_command(fresh_plugins, toy_tok):
+def test_unknown_backend_lists_installed_and_pip_command(fresh_plugins, monkeypatch, toy_tok):
+    monkeypatch.setenv("GENLM_PLUGINS", "")  # no installed plugin: only built-ins and the test's own
+    reset_plugins()
     with registered(ThirdPartyPlugin(toy_tok)):
         with pytest.raises(
             BackendNotFoundError, match=r"'vllm' is not installed; available: \[.*bigram.*\].*pip install genlm-vllm"

