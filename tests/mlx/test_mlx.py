@@ -114,3 +114,16 @@ def test_registry_and_options():
     assert isinstance(lm, AsyncMlxLM) and lm.batcher.batch_size == 3 and lm.kv.max_entries == 7
     with pytest.raises(OptionsError, match=r"backend 'mlx'.*unknown option 'chunk'"):
         load_model_by_name(path, backend="mlx", llm_opts={"chunk": 3})
+
+
+def test_sliding_window_model_is_computed_alone_and_exactly(caplog):
+    path = str(tiny_model_dir("llama", layer_types=["sliding_attention", "full_attention"], sliding_window=8))
+    ours = AsyncMlxLM.from_name(path)
+    assert not ours.planned and "sliding-window" in caplog.text
+    import mlx_lm
+    import numpy as np
+
+    model, _ = mlx_lm.load(path)
+    ctx = list(range(30, 60))  # longer than the window
+    want = torch.log_softmax(torch.from_numpy(np.array(model(mx.array([ctx]))[0, -1])), -1)
+    assert max_diff([ours.next_token_logprobs_sync(ctx)], [want]) <= TOL

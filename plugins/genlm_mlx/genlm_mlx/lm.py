@@ -80,12 +80,13 @@ class AsyncMlxLM(KVReuse, AsyncLM):
             tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
         )
         self.model = model
-        model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.rsplit(".", 1)[-1])
-        self.planned = model_type in PLANNED_MODEL_TYPES
-        if o.reuse_kv and not self.planned:
-            log.warning(
-                "mlx model type %r: KV reuse and batching disabled; every request is computed alone", model_type
-            )
+        args = getattr(model, "args", None)
+        model_type = getattr(args, "model_type", type(model).__module__.rsplit(".", 1)[-1])
+        sliding = getattr(getattr(model, "model", None), "swa_idx", None) is not None
+        self.planned = model_type in PLANNED_MODEL_TYPES and not sliding
+        if not self.planned:  # rotating (sliding-window) or unvetted caches: exact, one request at a time
+            reason = "sliding-window layers" if sliding else f"model type {model_type!r}"
+            log.warning("mlx %s: KV reuse and batching disabled; every request is computed alone", reason)
         self.init_kv_reuse(o.kv_cache_entries, o.kv_cache_bytes, o.reuse_kv and self.planned, o.prefill_chunk_size)
 
     @classmethod
