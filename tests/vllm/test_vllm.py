@@ -125,3 +125,43 @@ def test_cleanup_then_second_engine_in_same_process(engine, path, hf):
         assert max_diff([second.next_token_logprobs_sync([7, 8])], [hf.next_token_logprobs_sync([7, 8])]) <= 1e-3
     finally:
         second.cleanup()
+
+
+def test_lora_per_request_matches_peft(path, tmp_path):
+    """Runs after the other engines are gone (one engine at a time in a process)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(tmp_path)
+    ctx = [3, 4, 5, 6]
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        want_base = torch.log_softmax(plain(torch.tensor([ctx])).logits[0, -1], -1)
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tmp_path)
+        want_lora = torch.log_softmax(adapted(torch.tensor([ctx])).logits[0, -1], -1)
+    assert (want_lora - want_base).abs().max() > 0.1  # the adapter really changes the model
+    lm = load_model_by_name(
+        path,
+        backend="vllm",
+        llm_opts={
+            "dtype": "float32",
+            "max_model_len": 1024,
+            "enable_lora": True,
+            "max_lora_rank": 8,
+            "engine_opts": {**ENGINE, "kv_cache_memory_bytes": 128 * 2**20},
+        },
+    )
+    try:
+        lm.load_lora(str(tmp_path), "a")
+        assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
+        lm.set_lora("a")
+        assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_lora]) <= 1e-3  # adapter part of the cache key
+        lm.clear_lora()
+        assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
+        with pytest.raises(ValueError, match="not loaded"):
+            lm.set_lora("b")
+    finally:
+        lm.cleanup()
