@@ -5,7 +5,7 @@ from genlm_core.cache import OutputCache
 from genlm_core.config import BackendOptions, ModelConfig
 from genlm_core.errors import BackendNotFoundError, GenlmError, OptionsError, PluginConflictError, VocabDecodingError
 from genlm_core.hookspecs import hookimpl
-from genlm_core.lm import AsyncLM, Request, logits_to_logprobs
+from genlm_core.lm import AsyncLM, LoRASelection, Request, logits_to_logprobs
 from genlm_core.loading import default_backend, load_model, load_model_by_name
 from genlm_core.plugins import get_plugins
 from genlm_core.registry import Register
@@ -18,6 +18,7 @@ __all__ = [
     "BackendOptions",
     "Failed",
     "GenlmError",
+    "LoRASelection",
     "ModelConfig",
     "OptionsError",
     "OutputCache",

@@ -275,6 +275,28 @@ class AsyncLM(abc.ABC):
         self.cleanup()
 
 
+class LoRASelection:
+    """Which LoRA adapter is active, for backends that load adapters. ``adapters`` maps each loaded
+    name to the backend's handle; the active name becomes part of every cache key."""
+
+    adapters: dict[str, Any]
+    _active_lora: str | None = None
+
+    @property
+    def active_adapter(self) -> str | None:
+        return self._active_lora
+
+    def set_lora(self, name: str) -> None:
+        """Make adapter ``name`` active for the following requests."""
+        if name not in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        self._active_lora = name
+
+    def clear_lora(self) -> None:
+        """Use the base model again for the following requests."""
+        self._active_lora = None
+
+
 def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
     """Draw one token id from ``logprobs`` at ``temperature`` (0 means argmax)."""
     if temperature == 0:

@@ -24,6 +24,20 @@ def registered(plugin: Any, name: str | None = None) -> Iterator[Any]:
         plugins.unregister(plugin)
 
 
+def concurrent_logprobs(lm: AsyncLM, contexts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """``next_token_logprobs`` of every context, issued concurrently (so the backend batches them)."""
+
+    async def gather() -> list[torch.Tensor]:
+        return list(await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts)))
+
+    return asyncio.run(gather())
+
+
+def max_abs_diff(rows: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> float:
+    """Largest absolute difference between paired logprob vectors (in float64)."""
+    return max((a.double() - b.double()).abs().max().item() for a, b in zip(rows, others))
+
+
 def check_lm_contract(lm: AsyncLM, contexts: Sequence[Sequence[int]], atol: float = 1e-5) -> None:
     """Assert the AsyncLM protocol contract on ``contexts``; raises AssertionError naming what broke.
 

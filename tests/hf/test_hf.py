@@ -11,6 +11,7 @@ import torch
 
 from genlm_core import OptionsError, load_model_by_name
 from genlm_core.testing import check_lm_contract
+from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 from genlm_hf.lm import kv_reuse_problem, load_kwargs
@@ -23,13 +24,6 @@ TOL = 1e-4
 
 def make(path, **kwargs):
     return AsyncTransformer.from_name(path, **{"batch_size": 16, "timeout": 0.005, **kwargs})
-
-
-def gather(lm, contexts):
-    async def main():
-        return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-
-    return asyncio.run(main())
 
 
 def test_contract(tiny):

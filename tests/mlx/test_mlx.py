@@ -10,22 +10,13 @@ import torch
 mx = pytest.importorskip("mlx.core", reason="MLX cannot be imported on this machine")
 
 from genlm_core import OptionsError, load_model_by_name  # noqa: E402
+from genlm_core.testing import concurrent_logprobs as gather  # noqa: E402
+from genlm_core.testing import max_abs_diff as max_diff  # noqa: E402
 from genlm_core.testing.models import tiny_model_dir  # noqa: E402
 from genlm_hf import AsyncTransformer  # noqa: E402
 from genlm_mlx import AsyncMlxLM  # noqa: E402
 
 TOL = 1e-4
-
-
-def gather(lm, contexts):
-    async def main():
-        return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-
-    return asyncio.run(main())
-
-
-def max_diff(a, b):
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core import load_model_by_name
+from genlm_core.testing import concurrent_logprobs as gather
+from genlm_core.testing import max_abs_diff as max_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 
@@ -49,17 +51,6 @@ def engine(path):
 @pytest.fixture(scope="module")
 def hf(path):
     return AsyncTransformer.from_name(path, batch_size=64)
-
-
-def gather(lm, contexts):
-    async def main():
-        return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
-
-    return asyncio.run(main())
-
-
-def max_diff(a, b):
-    return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
 
 def test_matches_hf_single_and_batched(engine, hf):

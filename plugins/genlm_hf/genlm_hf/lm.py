@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from genlm_core import AsyncLM, Request
+from genlm_core import AsyncLM, LoRASelection, Request
 from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_hf.options import HFOptions
 
@@ -62,7 +62,7 @@ def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
     return cache
 
 
-class AsyncTransformer(KVReuse, AsyncLM):
+class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     """A Hugging Face causal LM: batched, exact next-token logprobs with automatic KV reuse.
 
     Build with :meth:`from_name` (or ``load_model_by_name(name, backend="hf")``); or wrap a loaded
@@ -83,8 +83,7 @@ class AsyncTransformer(KVReuse, AsyncLM):
                 "%s: KV reuse disabled (%s); every request is computed from scratch", type(model).__name__, problem
             )
         self.init_kv_reuse(o.kv_cache_entries, o.kv_cache_bytes, o.reuse_kv and problem is None, o.prefill_chunk_size)
-        self._adapter: str | None = None
-        self._adapters: set[str] = set()
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         for name, path in o.lora.items():
             self.load_lora(path, name)
         if o.active_lora is not None:
@@ -202,10 +201,6 @@ class AsyncTransformer(KVReuse, AsyncLM):
 
     # ---- LoRA ---------------------------------------------------------------------------------
 
-    @property
-    def active_adapter(self) -> str | None:
-        return self._adapter
-
     def load_lora(self, path: str, name: str = "lora_1") -> None:
         """Load a peft LoRA adapter from ``path`` under ``name`` (it does not become active)."""
         try:
@@ -217,23 +212,13 @@ class AsyncTransformer(KVReuse, AsyncLM):
                 self.model.load_adapter(path, adapter_name=name)
             else:
                 self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
-            self._adapters.add(name)
+            self.adapters[name] = path
 
     add_new_lora = load_lora
 
-    def set_lora(self, name: str) -> None:
-        """Make adapter ``name`` active for the following requests (part of every cache key)."""
-        if name not in self._adapters:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._adapters)}")
-        self._adapter = name
-
-    def clear_lora(self) -> None:
-        """Use the base model again for the following requests."""
-        self._adapter = None
-
     @contextlib.contextmanager
     def _adapter_active(self, adapter: str | None) -> Iterator[None]:
-        if not self._adapters:
+        if not self.adapters:
             yield
         elif adapter is None:
             with self.model.disable_adapter():

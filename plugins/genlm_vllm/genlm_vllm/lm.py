@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from genlm_core import AsyncLM, AutoBatcher, Request
+from genlm_core import AsyncLM, AutoBatcher, LoRASelection, Request
 from genlm_vllm.options import VLLMOptions
 from genlm_vllm.plugin import INSTALL
 
@@ -56,7 +56,7 @@ def _hidden_from_vllm_kernel_scan() -> Iterator[None]:
             sys.modules[name] = module
 
 
-class AsyncVirtualLM(AsyncLM):
+class AsyncVirtualLM(LoRASelection, AsyncLM):
     """A vLLM engine: batched, exact full-vocabulary next-token logprobs; batched sampling."""
 
     def __init__(self, llm: Any, tokenizer: Any, options: VLLMOptions | None = None, **kwargs: Any):
@@ -71,8 +71,7 @@ class AsyncVirtualLM(AsyncLM):
         )
         self.generate_calls = 0
         self._tags = itertools.count()
-        self._loras: dict[str, Any] = {}
-        self._adapter: str | None = None
+        self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
 
     @classmethod
     def from_name(cls, model: str, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
@@ -116,7 +115,7 @@ class AsyncVirtualLM(AsyncLM):
 
     def _generate(self, contexts: Sequence[Sequence[int]], params: list[Any], adapters: Iterable[str | None]) -> Any:
         prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        loras = [self._loras[a] if a is not None else None for a in adapters]
+        loras = [self.adapters[a] if a is not None else None for a in adapters]
         self.generate_calls += 1
         return self.llm.generate(prompts, params, lora_request=loras if any(loras) else None, use_tqdm=False)
 
@@ -157,25 +156,13 @@ class AsyncVirtualLM(AsyncLM):
 
     # ---- LoRA -----------------------------------------------------------------------------------
 
-    @property
-    def active_adapter(self) -> str | None:
-        return self._adapter
-
     def load_lora(self, path: str, name: str = "lora_1") -> None:
         """Register a LoRA adapter (needs ``enable_lora=True``); it applies per request once active."""
         if not self.options.enable_lora:
             raise ValueError("this engine was started without enable_lora=True")
         from vllm.lora.request import LoRARequest
 
-        self._loras[name] = LoRARequest(name, len(self._loras) + 1, path)
-
-    def set_lora(self, name: str) -> None:
-        if name not in self._loras:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self._loras)}")
-        self._adapter = name
-
-    def clear_lora(self) -> None:
-        self._adapter = None
+        self.adapters[name] = LoRARequest(name, len(self.adapters) + 1, path)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
