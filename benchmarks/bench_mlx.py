@@ -11,7 +11,6 @@ run ``bash benchmarks/mlx_openblas.sh`` (preloads Debian's OpenBLAS, no system i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import time
 
@@ -62,7 +61,6 @@ def main() -> None:
             [[f"N={args.n}, T={args.t}", f"{t_ours:.2f} s", f"{t_plain:.2f} s", f"{t_ours / t_plain:.2f}x"]],
         )
     )
-    asyncio.run(asyncio.sleep(0))
 
 
 if __name__ == "__main__":

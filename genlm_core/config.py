@@ -24,6 +24,15 @@ class BackendOptions(BaseModel):
         512 * 2**20, ge=0, description="Most bytes of logprob tensors kept in the output cache (None: no limit)."
     )
 
+    def lm_kwargs(self) -> dict[str, Any]:
+        """The :class:`~genlm_core.AsyncLM` keyword arguments these options set (batching, output cache)."""
+        return {
+            "batch_size": self.batch_size,
+            "timeout": self.timeout,
+            "cache_size": self.cache_size,
+            "cache_bytes": self.cache_bytes,
+        }
+
 
 class ModelConfig(BaseModel):
     """Which model to load, with which backend and options (see :func:`genlm_core.load_model`)."""

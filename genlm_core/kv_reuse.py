@@ -124,6 +124,10 @@ class KVReuse(abc.ABC):
         """Run ``plan``'s new tokens after its past (see :meth:`gather_past`); return the logits at
         the last position ``[batch, width]`` and the new block holding every row's states."""
 
+    def clear_backend_cache(self) -> None:
+        """Forget every stored KV state (AsyncLM.clear_cache and cleanup call this)."""
+        self.kv.clear()
+
     def kv_logits(self, sequences: Sequence[tuple[int, ...]], namespace: Any = None) -> Any:
         """Last-position logits for each sequence, reusing and then storing KV states under ``namespace``."""
         rows = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import gc
 import random
 import threading
 from array import array
@@ -76,6 +77,7 @@ class AsyncLM(abc.ABC):
         )
         # Serialises model work: the batcher's thread and synchronous callers never overlap.
         self._compute_lock = threading.RLock()
+        self._closed = False
 
     # ---- what a backend implements ---------------------------------------------------------
 
@@ -256,11 +258,19 @@ class AsyncLM(abc.ABC):
             self.clear_backend_cache()
 
     def cleanup(self) -> None:
-        """Release the model, caches and worker thread. The object is unusable afterwards."""
+        """Release the model, caches and worker thread. The object is unusable afterwards; calling
+        this again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.batcher.close()
         with self._compute_lock:
             self.cache.clear()
+            self.clear_backend_cache()
             self.close_backend()
+        gc.collect()  # models hold large reference cycles; free them now, not at some later collection
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> AsyncLM:
         return self

@@ -244,6 +244,8 @@ async def test_context_managers_clean_up(toy_tok):
     with Closing(toy_tok) as lm:
         lm.next_token_logprobs_sync([1])
     assert lm.closed == 1 and not len(lm.cache)
+    lm.cleanup()  # a second cleanup does nothing
+    assert lm.closed == 1
     async with Closing(toy_tok) as lm2:
         await lm2.next_token_logprobs([1])
     assert lm2.closed == 1

@@ -9,7 +9,6 @@ explicit positions and a 2-D mask, and keep the resulting KV tensors as a new bl
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -72,9 +71,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     def __init__(self, model: Any, tokenizer: Any, options: HFOptions | None = None, **kwargs: Any):
         self.options = options or HFOptions(**kwargs)
         o = self.options
-        super().__init__(
-            tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
-        )
+        super().__init__(tokenizer, **o.lm_kwargs())
         self.model = model.eval()
         self.device = model.get_input_embeddings().weight.device
         problem = kv_reuse_problem(model)
@@ -189,15 +186,8 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         if self.cache.get(request) is None:
             self._compute([request])
 
-    def clear_backend_cache(self) -> None:
-        self.kv.clear()
-
     def close_backend(self) -> None:
-        self.kv.clear()
         self.model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     # ---- LoRA ---------------------------------------------------------------------------------
 

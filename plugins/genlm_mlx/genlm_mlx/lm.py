@@ -76,9 +76,7 @@ class AsyncMlxLM(KVReuse, AsyncLM):
     def __init__(self, model: Any, tokenizer: Any, options: MLXOptions | None = None, **kwargs: Any):
         self.options = options or MLXOptions(**kwargs)
         o = self.options
-        super().__init__(
-            tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
-        )
+        super().__init__(tokenizer, **o.lm_kwargs())
         self.model = model
         args = getattr(model, "args", None)
         model_type = getattr(args, "model_type", type(model).__module__.rsplit(".", 1)[-1])
@@ -185,9 +183,5 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         mx.eval(logits, *[a for kv in block.kv for a in kv], block.mask)
         return logits, block
 
-    def clear_backend_cache(self) -> None:
-        self.kv.clear()
-
     def close_backend(self) -> None:
-        self.kv.clear()
         self.model = None

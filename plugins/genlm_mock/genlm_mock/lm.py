@@ -41,9 +41,7 @@ class MockAsyncLM(AsyncLM):
     def __init__(self, tokenizer: Any, options: MockOptions | None = None, **kwargs: Any):
         self.options = options or MockOptions(**kwargs)
         o = self.options
-        super().__init__(
-            tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
-        )
+        super().__init__(tokenizer, **o.lm_kwargs())
         self.batches: list[list[Request]] = []
 
     @classmethod

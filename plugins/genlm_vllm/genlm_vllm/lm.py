@@ -11,7 +11,6 @@ the captured rows are reachable; tensor/pipeline parallel options pass through t
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import logging
 import os
@@ -62,9 +61,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
     def __init__(self, llm: Any, tokenizer: Any, options: VLLMOptions | None = None, **kwargs: Any):
         self.options = options or VLLMOptions(**kwargs)
         o = self.options
-        super().__init__(
-            tokenizer, batch_size=o.batch_size, timeout=o.timeout, cache_size=o.cache_size, cache_bytes=o.cache_bytes
-        )
+        super().__init__(tokenizer, **o.lm_kwargs())
         self.llm = llm
         self.sampler: AutoBatcher[tuple[Any, ...], list[int]] = AutoBatcher(
             self._sample_batch, batch_size=o.batch_size, timeout=o.timeout, run_in_thread=True, name="vllm-sample"
@@ -172,6 +169,3 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
     def close_backend(self) -> None:
         self.sampler.close()
         self.llm = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
