@@ -1,6 +1,6 @@
 """The one AutoBatcher: every backend and every trie batches concurrent requests through it.
 
-Requests are queued under a key; identical keys share one computation. A batch is flushed when
+Requests are queued under a key; equal keys share one computation. A batch is flushed when
 ``batch_size`` distinct requests are queued, or ``timeout`` seconds after the oldest queued one.
 Batches run one at a time, in order.
 """
@@ -10,10 +10,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from genlm_core.errors import BatcherError, ClosedError
+from genlm_core.validation import check_batcher_numbers
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +40,52 @@ class Failed:
 ProcessFn = Callable[[list[T]], Sequence[Any] | Awaitable[Sequence[Any]]]
 
 
+#: How many recent batch sizes :class:`BatcherStats` keeps (its memory stays bounded).
+RECENT_BATCHES = 1000
+
+
 @dataclass
 class BatcherStats:
-    """Counters for observing batching (tests, benchmarks, logs)."""
+    """Counters for observing batching (tests, benchmarks, logs); ``sizes`` holds the most recent
+    :data:`RECENT_BATCHES` batch sizes only."""
 
     batches: int = 0
     items: int = 0
     submitted: int = 0
-    sizes: list[int] = field(default_factory=list)
+    sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
+
+
+class ContentKey:
+    """A batcher key for an array: equal to another exactly when the contents are equal.
+
+    Hold a *snapshot* (an array nobody else writes to): the key then cannot come to stand for other
+    values while its request lives, which an ``id()`` can (addresses are reused once an object is
+    freed). Hashing samples at most 64 entries; equality compares every entry.
+    """
+
+    __slots__ = ("_hash", "array", "tag")
+
+    def __init__(self, tag: Hashable, array: np.ndarray | torch.Tensor):
+        self.tag = tag
+        self.array = array
+        flat = array.reshape(-1)
+        sample = flat[:: max(1, flat.shape[0] // 64)]
+        if isinstance(sample, torch.Tensor):
+            sample = sample.detach().cpu().numpy()
+        self._hash = hash((tag, tuple(array.shape), str(array.dtype), sample.tobytes()))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ContentKey) or other._hash != self._hash or other.tag != self.tag:
+            return False
+        a, b = self.array, other.array
+        if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if isinstance(a, torch.Tensor):
+            return a.device == b.device and bool(torch.equal(a, b))  # type: ignore[arg-type]
+        return bool(np.array_equal(a, b))
 
 
 class _Job:
@@ -69,10 +114,19 @@ class AutoBatcher(Generic[T, R]):
     fails only that item). It may be a coroutine function, or a plain function — run inline, or in
     a dedicated worker thread when ``run_in_thread`` so the event loop stays free while it computes.
 
-    Guarantees: identical keys queued or in flight are computed once; an exception from ``process``
+    **Keys.** A key must be a *value* that stands for the request's result: hashable, equal to
+    another key exactly when the two requests have the same result, and unchanging while the request
+    lives (e.g. a tuple of token ids, or a :class:`ContentKey` over a snapshot of an array). Never
+    use ``id()`` of a caller's object: once the object is freed its address is reused, and a new
+    request would be handed the old one's result.
+
+    Guarantees: equal keys queued or in flight are computed once; an exception from ``process``
     fails every waiter of that batch and the batcher keeps serving; a cancelled waiter is dropped
-    (its request too, if nobody else waits for it and it has not started); it follows the running
-    event loop, so it works across ``asyncio.run`` calls; no task outlives the queue.
+    (its request too, if nobody else waits for it and it has not started); if the worker itself
+    stops on an unexpected error, every waiter fails with :class:`~genlm_core.errors.BatcherError`,
+    and so does the next submit, so nothing waits forever; it follows the running event loop, so it
+    works across ``asyncio.run`` calls; no task outlives the queue. After :meth:`close`, every
+    submit raises :class:`~genlm_core.errors.ClosedError`.
 
     >>> import asyncio
     >>> batcher = AutoBatcher(lambda xs: [x * x for x in xs], batch_size=8, timeout=0.01)
@@ -93,13 +147,8 @@ class AutoBatcher(Generic[T, R]):
         run_in_thread: bool = False,
         name: str = "batcher",
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if timeout < 0:
-            raise ValueError(f"timeout must be >= 0, got {timeout}")
+        self.batch_size, self.timeout = check_batcher_numbers(batch_size, timeout)
         self.process = process
-        self.batch_size = batch_size
-        self.timeout = timeout
         self.run_in_thread = run_in_thread
         self.name = name
         self.stats = BatcherStats()
@@ -110,9 +159,19 @@ class AutoBatcher(Generic[T, R]):
         self._running: dict[Hashable, _Job] = {}
         self._worker: asyncio.Task[None] | None = None
         self._full: asyncio.Future[None] | None = None
+        self._failure: BaseException | None = None
+        self.closed = False
 
     async def submit(self, key: Hashable, item: T) -> R:
-        """Queue ``item`` under ``key`` and wait for its result."""
+        """Queue ``item`` under ``key`` (see the class docstring for what a key must be) and wait
+        for its result."""
+        if self.closed:
+            raise ClosedError(f"{self.name} was closed (cleanup() was called); create a new one")
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise BatcherError(f"{self.name}: the batch worker stopped on an unexpected error: {failure!r}") from (
+                failure
+            )
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
@@ -159,48 +218,67 @@ class AutoBatcher(Generic[T, R]):
             self._full = None
 
     async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
+        """The worker task: flush batches while requests are queued."""
         try:
             while self._pending:
-                if len(self._pending) < self.batch_size:
-                    oldest = next(iter(self._pending.values()))
-                    delay = oldest.queued_at + self.timeout - loop.time()
-                    if delay > 0:
-                        await self._wait_until_full(delay)
-                        continue
-                    if self.timeout == 0:
-                        await asyncio.sleep(0)  # let requests issued in this same step join
-                keys = list(self._pending)[: self.batch_size]
-                batch = [self._pending.pop(k) for k in keys]
-                self._running.update((job.key, job) for job in batch)
-                try:
-                    results = await self._call([job.item for job in batch])
-                    if len(results) != len(batch):
-                        raise RuntimeError(
-                            f"{self.name}: batch function returned {len(results)} results for {len(batch)} items"
-                        )
-                except Exception as exc:
-                    log.debug("%s: batch of %d failed: %r", self.name, len(batch), exc)
-                    for job in batch:
-                        job.resolve(Failed(exc))
-                except BaseException:
-                    for job in batch:
-                        for waiter in job.waiters:
-                            waiter.cancel()
-                    raise
-                else:
-                    for job, result in zip(batch, results):
-                        job.resolve(result)
-                finally:
-                    for job in batch:
-                        if self._running.get(job.key) is job:
-                            del self._running[job.key]
-                self.stats.batches += 1
-                self.stats.items += len(batch)
-                self.stats.sizes.append(len(batch))
+                batch = await self._next_batch()
+                if batch:
+                    await self._run_batch(batch)
+        except Exception as exc:  # a bug of ours: fail everyone now rather than leave them waiting
+            log.error("%s: batch worker stopped: %r", self.name, exc, exc_info=exc)
+            self._failure = exc
+            error = BatcherError(f"{self.name}: the batch worker stopped on an unexpected error: {exc!r}")
+            error.__cause__ = exc
+            for job in [*self._pending.values(), *self._running.values()]:
+                job.resolve(Failed(error))
+            self._pending, self._running = {}, {}
         finally:
             if self._worker is asyncio.current_task():
                 self._worker = None
+
+    async def _next_batch(self) -> list[_Job]:
+        """The flush policy: wait until ``batch_size`` requests are queued or the oldest one is
+        ``timeout`` seconds old, then take up to ``batch_size`` of them, oldest first."""
+        loop = asyncio.get_running_loop()
+        while 0 < len(self._pending) < self.batch_size:
+            oldest = next(iter(self._pending.values()))
+            delay = oldest.queued_at + self.timeout - loop.time()
+            if delay <= 0:
+                if self.timeout == 0:
+                    await asyncio.sleep(0)  # let requests issued in this same step join
+                break
+            await self._wait_until_full(delay)
+        keys = list(self._pending)[: self.batch_size]
+        return [self._pending.pop(k) for k in keys]
+
+    async def _run_batch(self, batch: list[_Job]) -> None:
+        """Compute one batch and resolve its waiters (a failure fails this batch only)."""
+        self._running.update((job.key, job) for job in batch)
+        try:
+            results = await self._call([job.item for job in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(
+                    f"{self.name}: batch function returned {len(results)} results for {len(batch)} items"
+                )
+        except Exception as exc:
+            log.debug("%s: batch of %d failed: %r", self.name, len(batch), exc)
+            for job in batch:
+                job.resolve(Failed(exc))
+        except BaseException:
+            for job in batch:
+                for waiter in job.waiters:
+                    waiter.cancel()
+            raise
+        else:
+            for job, result in zip(batch, results):
+                job.resolve(result)
+        finally:
+            for job in batch:
+                if self._running.get(job.key) is job:
+                    del self._running[job.key]
+        self.stats.batches += 1
+        self.stats.items += len(batch)
+        self.stats.sizes.append(len(batch))
 
     async def _call(self, items: list[T]) -> Sequence[Any]:
         if self._is_async:
@@ -213,9 +291,11 @@ class AutoBatcher(Generic[T, R]):
         return await loop.run_in_executor(self._executor, self.process, items)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        """Stop the worker thread, if one was started. Queued requests on a live loop are failed."""
+        """Stop for good: queued and running requests fail with ClosedError, and so does every
+        later submit; the worker thread, if one was started, is stopped. Calling it again is harmless."""
+        self.closed = True
         for job in [*self._pending.values(), *self._running.values()]:
-            job.resolve(Failed(RuntimeError(f"{self.name} was closed")))
+            job.resolve(Failed(ClosedError(f"{self.name} was closed (cleanup() was called)")))
         self._pending, self._running = {}, {}
         if self._executor is not None:
             self._executor.shutdown(wait=True)

@@ -6,12 +6,64 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from genlm_core.errors import GenlmError
 from genlm_core.plugins import get_plugins
+
+log = logging.getLogger("genlm")
+
+#: Exceptions that mean the user asked for something that cannot be done: one line, exit status 2.
+USER_ERRORS = (GenlmError, ValueError, TypeError, LookupError, OSError, ImportError)
+
+
+class UsageError(GenlmError):
+    """A command-line argument is invalid."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (with where to get help) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _number(kind: Callable[[str], Any], minimum: float | None = None, below: float | None = None) -> Any:
+    """An argparse type: ``kind`` parsed, then checked against ``minimum`` and ``below``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if value != value or (minimum is not None and value < minimum) or (below is not None and not value < below):
+            bounds = " and ".join(
+                part for part in (f">= {minimum}" if minimum is not None else "", f"< {below}" if below else "") if part
+            )
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _text_bytes(text: str) -> bytes:
+    """The bytes of a command-line argument as given (invalid UTF-8 survives as its raw bytes)."""
+    return os.fsencode(text)
+
+
+def _text_str(text: str) -> str:
+    """A command-line argument as text for a tokenizer; invalid UTF-8 is a usage error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"TEXT is not valid UTF-8: {_text_bytes(text)!r}") from None
+    return text
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -85,9 +137,12 @@ def _parse_option(text: str) -> tuple[str, Any]:
 def cmd_logprobs(args: argparse.Namespace) -> int:
     from genlm_core.loading import load_model_by_name
 
+    text = _text_str(args.text)
     lm = load_model_by_name(_model_path(args.model), args.backend, dict(args.option or []))
     with lm:
-        ids = list(lm.tokenizer.encode(args.text, add_special_tokens=not args.no_special_tokens))
+        ids = list(lm.tokenizer.encode(text, add_special_tokens=not args.no_special_tokens))
+        if not ids:
+            raise UsageError("TEXT gives no tokens (and the tokenizer adds none): give some text")
         logprobs = lm.next_token_logprobs_sync(ids)
         top = logprobs.topk(min(args.top, logprobs.numel()))
         rows = [
@@ -114,14 +169,15 @@ def cmd_continue(args: argparse.Namespace) -> int:
     from genlm_core.bytes import BeamParams, ByteBeamState
     from genlm_core.loading import load_model_by_name
 
+    text = _text_bytes(args.text)
     lm = load_model_by_name(_model_path(args.model), args.backend, dict(args.option or []))
 
     async def run() -> bytes:
         beam = await ByteBeamState.initial(lm, BeamParams(K=args.beam, prune_threshold=args.prune))
         try:
             if args.sample:
-                return await beam.sample(args.text.encode(), args.bytes, seed=args.seed)
-            return await beam.greedy(args.text.encode(), args.bytes)
+                return await beam.sample(text, args.bytes, seed=args.seed)
+            return await beam.greedy(text, args.bytes)
         finally:
             beam.cleanup()
 
@@ -132,7 +188,7 @@ def cmd_continue(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="genlm", description=__doc__)
+    p = Parser(prog="genlm", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("backends", help="installed backends and trie engines, and plugins that failed").set_defaults(
@@ -145,7 +201,9 @@ def parser() -> argparse.ArgumentParser:
     lp.add_argument("model", help="model name or path, as the backend understands it")
     lp.add_argument("text")
     lp.add_argument("--backend", "-b", default=None, help="backend name (default: the default backend)")
-    lp.add_argument("--top", "-k", type=int, default=10, help="how many tokens to show")
+    lp.add_argument(
+        "--top", "-k", type=_number(int, 1), default=10, help="how many tokens to show (at most the vocabulary)"
+    )
     lp.add_argument(
         "--option",
         "-o",
@@ -160,26 +218,41 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="model name or path ('smollm2': the offline default model)")
     c.add_argument("text")
     c.add_argument("--backend", "-b", default=None, help="backend name (default: the default backend)")
-    c.add_argument("--bytes", "-n", type=int, default=40, help="how many bytes to add")
-    c.add_argument("--beam", "-K", type=int, default=5, help="beam width")
-    c.add_argument("--prune", type=float, default=0.0, help="prune hypotheses below this share of the mass")
+    c.add_argument("--bytes", "-n", type=_number(int, 0), default=40, help="how many bytes to add (>= 0)")
+    c.add_argument("--beam", "-K", type=_number(int, 1), default=5, help="beam width (>= 1)")
+    c.add_argument(
+        "--prune", type=_number(float, 0.0, 1.0), default=0.0, help="prune hypotheses below this share of the mass"
+    )
     c.add_argument("--sample", action="store_true", help="sample instead of greedy")
-    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--seed", type=_number(int, 0), default=None, help="random seed for --sample (>= 0)")
     c.add_argument("--option", "-o", action="append", type=_parse_option, metavar="KEY=VALUE", help="backend option")
     c.set_defaults(func=cmd_continue)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Run the command; user errors print one line on stderr and return 2 (``-v`` adds the traceback)."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:  # usage errors (already printed, one line) and --help
+        return exc.code if isinstance(exc.code, int) else 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
         return int(args.func(args))
-    except GenlmError as exc:
-        print(f"genlm: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("genlm: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        user_error = isinstance(exc, USER_ERRORS)
+        log.debug("traceback", exc_info=exc)
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if not isinstance(exc, GenlmError):
+            message = f"{type(exc).__name__}: {message}"
+        hint = "" if user_error or args.verbose else " (an internal error; rerun with -v for the traceback)"
+        print(f"genlm: error: {message}{hint}", file=sys.stderr)
+        return 2 if user_error else 1
 
 
 if __name__ == "__main__":

@@ -4,16 +4,33 @@ from __future__ import annotations
 
 import json
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator
+
+from genlm_core.errors import ConfigError
+
+
+def _admits_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_admits_bool(a) for a in typing.get_args(annotation))
+    return False
 
 
 class BackendOptions(BaseModel):
-    """Options every backend accepts. A backend subclasses this and adds its own fields."""
+    """Options every backend accepts. A backend subclasses this and adds its own fields.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    Validation is strict where lax parsing hides mistakes: unknown options are errors, floats must
+    be finite (``timeout=inf`` would never flush a lone request), and ``True`` is not a number.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     batch_size: PositiveInt = Field(32, description="Most requests computed in one batch.")
     timeout: float = Field(
@@ -23,6 +40,14 @@ class BackendOptions(BaseModel):
     cache_bytes: int | None = Field(
         512 * 2**20, ge=0, description="Most bytes of logprob tensors kept in the output cache (None: no limit)."
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bool_is_not_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, (bool, np.bool_)) and info.field_name is not None:
+            if not _admits_bool(cls.model_fields[info.field_name].annotation):
+                raise ValueError(f"expected a number, got the bool {value!r}")
+        return value
 
     def lm_kwargs(self) -> dict[str, Any]:
         """The :class:`~genlm_core.AsyncLM` keyword arguments these options set (batching, output cache)."""
@@ -39,18 +64,39 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Model name or local path, as the backend understands it.")
+    model: str = Field(min_length=1, description="Model name or local path, as the backend understands it.")
     backend: str | None = Field(None, description="Backend name; None picks the default backend.")
     options: dict[str, Any] = Field(default_factory=dict, description="Backend options, validated by the backend.")
+
+    @classmethod
+    def from_data(cls, data: Any, source: str = "config") -> ModelConfig:
+        """Validate a dict of the fields; ConfigError names every problem and where it came from."""
+        if not isinstance(data, dict):
+            raise ConfigError(
+                f"{source} must be a table/dict with keys model, backend, options; got {type(data).__name__}"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(config)'}: {e['msg']}"
+                + (f" (got {e['input']!r})" if e["type"] != "missing" else "")
+                for e in exc.errors()
+            )
+            raise ConfigError(f"invalid {source}: {problems}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> ModelConfig:
         """Read a ``.toml`` or ``.json`` file (top-level keys ``model``, ``backend``, ``options``)."""
         path = Path(path)
-        if path.suffix == ".toml":
-            data = tomllib.loads(path.read_text())
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-        else:
-            raise ValueError(f"config file {path} must end in .toml or .json")
-        return cls.model_validate(data)
+        if path.suffix not in (".toml", ".json"):
+            raise ConfigError(f"config file {path} must end in .toml or .json")
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+        try:
+            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid {path.suffix[1:].upper()}: {exc}") from None
+        return cls.from_data(data, f"config file {path}")

@@ -21,3 +21,23 @@ class OptionsError(GenlmError, ValueError):
 
 class VocabDecodingError(GenlmError, ValueError):
     """A tokenizer's vocabulary could not be decoded to exact bytes."""
+
+
+class ConfigError(GenlmError, ValueError):
+    """A model config (a dict, a ``ModelConfig`` or a TOML/JSON file) is missing, unreadable or invalid."""
+
+
+class ClosedError(GenlmError, RuntimeError):
+    """A language model, trie or byte beam was used after ``cleanup()`` closed it.
+
+    Every call on a closed object raises this (``cleanup()`` itself may be called again safely);
+    requests still queued when it was closed fail with it too.
+    """
+
+
+class BatcherError(GenlmError, RuntimeError):
+    """An AutoBatcher's worker stopped on an unexpected error; the error is the ``__cause__``.
+
+    Every request waiting at that moment fails with it, and so does the next submit, once; the
+    submit after that starts a fresh worker.
+    """

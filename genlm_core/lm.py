@@ -12,8 +12,7 @@ import asyncio
 import gc
 import random
 import threading
-from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,7 +20,15 @@ import torch
 
 from genlm_core.batching import AutoBatcher, Failed
 from genlm_core.cache import OutputCache
+from genlm_core.errors import ClosedError
 from genlm_core.tokenization import Token, decode_vocabulary
+from genlm_core.validation import (
+    check_int,
+    check_seed,
+    check_temperature,
+    check_token_id_set,
+    check_token_ids,
+)
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -52,7 +59,15 @@ class AsyncLM(abc.ABC):
 
     Every logprob vector is 1-D, float32, normalised, with exactly ``len(byte_vocab)`` entries.
     Returned tensors are shared with the output cache: treat them as read-only.
+
+    Every argument is checked before any model work: a bad one raises ``TypeError`` or
+    ``ValueError`` naming it. After :meth:`cleanup`, every call raises
+    :class:`~genlm_core.errors.ClosedError`.
     """
+
+    #: Most tokens a context may have (the model's position limit), or None for no fixed limit.
+    #: A backend whose model cannot go past a length (learned absolute positions) sets it.
+    context_limit: int | None = None
 
     def __init__(
         self,
@@ -101,25 +116,26 @@ class AsyncLM(abc.ABC):
 
     # ---- the protocol ------------------------------------------------------------------------
 
-    def request(self, token_ids: TokenIds) -> Request:
-        """Validate ``token_ids`` and make the request (and cache key) for it.
+    def ensure_open(self) -> None:
+        """Raise :class:`~genlm_core.errors.ClosedError` if :meth:`cleanup` has closed this model."""
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} was closed by cleanup(); load the model again to use it")
 
-        Raises ValueError for an empty context or an id outside ``[0, len(byte_vocab))``.
+    def request(self, token_ids: TokenIds) -> Request:
+        """Validate ``token_ids`` and make the request (and cache key) for it: a snapshot, so later
+        changes to the caller's list or array do not change it.
+
+        Raises TypeError for what is not a sequence of integer ids (sets, strings, bools, floats),
+        ValueError for an empty context, an id outside ``[0, len(byte_vocab))``, or a context
+        longer than :attr:`context_limit`.
         """
-        if isinstance(token_ids, (torch.Tensor, np.ndarray)):
-            token_ids = token_ids.tolist()
-        try:
-            ids = array("q", token_ids)  # C-speed check that every id is an integer
-        except (TypeError, OverflowError) as exc:
-            raise TypeError(f"token_ids must be a sequence of ints: {exc}") from None
-        if not ids:
+        self.ensure_open()
+        ids = check_token_ids(token_ids, self.vocab_size)
+        if self.context_limit is not None and len(ids) > self.context_limit:
             raise ValueError(
-                "token_ids is empty: a next-token distribution needs at least one context token (e.g. BOS)"
+                f"token_ids has {len(ids)} tokens, more than this model's limit of {self.context_limit} positions"
             )
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < self.vocab_size)
-            raise ValueError(f"token id {bad} at position {pos} is outside the vocabulary [0, {self.vocab_size})")
-        return Request(tuple(ids), self.active_adapter)
+        return Request(ids, self.active_adapter)
 
     async def next_token_logprobs(self, token_ids: TokenIds) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids``, batched with concurrent calls."""
@@ -207,8 +223,8 @@ class AsyncLM(abc.ABC):
         calls are batched step by step through the same batcher.
         """
         context = list(self.request(prompt_token_ids).token_ids)
-        eos = self._check_sampling(max_tokens, eos_token_ids, temperature)
-        generator = torch.Generator().manual_seed(random.getrandbits(63) if seed is None else int(seed))
+        max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
+        generator = torch.Generator().manual_seed(random.getrandbits(63) if seed is None else seed)
         generated: list[int] = []
         for _ in range(max_tokens):
             logprobs = await self.next_token_logprobs(context)
@@ -227,32 +243,38 @@ class AsyncLM(abc.ABC):
         temperature: float = 1.0,
         seed: int | None = None,
     ) -> list[list[int]]:
-        """:meth:`sample` for several prompts concurrently; prompt ``i`` uses seed ``seed + i``."""
-        eos = list(eos_token_ids)
+        """:meth:`sample` for several prompts concurrently; prompt ``i`` uses seed ``seed + i``
+        (modulo ``2**63``)."""
+        prompts = [self.request(p).token_ids for p in _iterable(prompt_token_ids_list, "prompt_token_ids_list")]
+        max_tokens, eos_set, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
+        eos = sorted(eos_set)
         return list(
             await asyncio.gather(
                 *(
-                    self.sample(p, max_tokens, eos, temperature, None if seed is None else seed + i)
-                    for i, p in enumerate(prompt_token_ids_list)
+                    self.sample(p, max_tokens, eos, temperature, None if seed is None else (seed + i) % 2**63)
+                    for i, p in enumerate(prompts)
                 )
             )
         )
 
-    def _check_sampling(self, max_tokens: int, eos_token_ids: Iterable[int], temperature: float) -> set[int]:
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if not (temperature >= 0 and np.isfinite(temperature)):
-            raise ValueError(f"temperature must be finite and >= 0, got {temperature!r}")
-        eos = {int(i) for i in eos_token_ids}
-        bad = [i for i in eos if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"eos token ids {bad} are outside the vocabulary [0, {self.vocab_size})")
-        return eos
+    def check_sampling(
+        self, max_tokens: Any, eos_token_ids: Any, temperature: Any, seed: Any = None
+    ) -> tuple[int, set[int], float, int | None]:
+        """Validated ``(max_tokens, eos ids, temperature, seed)`` for :meth:`sample`; backends that
+        sample themselves call it too. TypeError/ValueError name the bad argument."""
+        self.ensure_open()
+        return (
+            check_int(max_tokens, "max_tokens", 0),
+            check_token_id_set(eos_token_ids, self.vocab_size, "eos_token_ids"),
+            check_temperature(temperature),
+            check_seed(seed),
+        )
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def clear_cache(self) -> None:
         """Forget every cached output and backend cache."""
+        self.ensure_open()
         with self._compute_lock:
             self.cache.clear()
             self.clear_backend_cache()
@@ -290,6 +312,7 @@ class LoRASelection:
     name to the backend's handle; the active name becomes part of every cache key."""
 
     adapters: dict[str, Any]
+    ensure_open: Callable[[], None]  # AsyncLM's
     _active_lora: str | None = None
 
     @property
@@ -298,18 +321,31 @@ class LoRASelection:
 
     def set_lora(self, name: str) -> None:
         """Make adapter ``name`` active for the following requests."""
+        self.ensure_open()
         if name not in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
         self._active_lora = name
 
     def clear_lora(self) -> None:
         """Use the base model again for the following requests."""
+        self.ensure_open()
         self._active_lora = None
 
 
 def sample_token(logprobs: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
-    """Draw one token id from ``logprobs`` at ``temperature`` (0 means argmax)."""
+    """Draw one token id from ``logprobs`` at ``temperature`` (0 means argmax).
+
+    The row's maximum is subtracted before dividing, so any positive temperature, however small,
+    gives a proper distribution (the top tokens keep weight 1 instead of overflowing).
+    """
     if temperature == 0:
         return int(torch.argmax(logprobs))
-    probs = torch.softmax(logprobs.detach().cpu().to(torch.float64) / temperature, dim=-1)
+    x = logprobs.detach().cpu().to(torch.float64)
+    probs = torch.softmax((x - x.max()) / temperature, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _iterable(value: Any, name: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be an iterable of token id sequences, got {type(value).__name__}")
+    return list(value)

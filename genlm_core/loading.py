@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from genlm_core.config import ModelConfig
-from genlm_core.errors import BackendNotFoundError, OptionsError
+from genlm_core.errors import BackendNotFoundError, ConfigError, OptionsError
 from genlm_core.lm import AsyncLM
 from genlm_core.plugins import get_plugins
 from genlm_core.registry import BackendSpec
@@ -44,6 +44,11 @@ def validate_options(spec: BackendSpec, options: dict[str, Any] | BaseModel | No
         return options
     if isinstance(options, BaseModel):
         options = options.model_dump(exclude_unset=True)
+    if options is not None and not isinstance(options, dict):
+        raise OptionsError(
+            f"options for backend {spec.name!r} must be a dict (or the backend's options model), "
+            f"got {type(options).__name__} {options!r}"
+        )
     try:
         return spec.options.model_validate(options or {})
     except ValidationError as exc:
@@ -60,6 +65,12 @@ def validate_options(spec: BackendSpec, options: dict[str, Any] | BaseModel | No
 
 def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str, Any] | None = None) -> AsyncLM:
     """Load model ``name`` with ``backend`` (default: :func:`default_backend`) and options ``llm_opts``."""
+    if isinstance(name, Path):
+        name = str(name)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a model name or path (a non-empty str), got {name!r}")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"backend must be a backend name (str) or None, got {backend!r}")
     spec = get_plugins().backend(backend or default_backend())
     options = validate_options(spec, llm_opts)
     log.info("loading %r with backend %r", name, spec.name)
@@ -74,5 +85,9 @@ def load_model(config: ModelConfig | dict[str, Any] | str | Path) -> AsyncLM:
     if isinstance(config, (str, Path)):
         config = ModelConfig.from_file(config)
     elif isinstance(config, dict):
-        config = ModelConfig.model_validate(config)
+        config = ModelConfig.from_data(config)
+    elif not isinstance(config, ModelConfig):
+        raise ConfigError(
+            f"load_model takes a ModelConfig, a dict or a .toml/.json path, got {type(config).__name__} {config!r}"
+        )
     return load_model_by_name(config.model, config.backend, config.options)

@@ -17,10 +17,13 @@ from typing import Any
 
 import numpy as np
 
+from genlm_core.errors import ClosedError
 from genlm_core.lm import AsyncLM
+from genlm_core.tokenization import Token
+from genlm_core.validation import as_bytes, check_bool, check_int, check_real, check_seed, is_int
 
 from .heal import TokenHealer
-from .probs import EOS, EOT, LazyByteProbs, logsumexp
+from .probs import EOS, EOT, LazyByteProbs, check_symbol, logsumexp
 from .trie import AsyncTokenByteTrie, TrieMode
 from .trie_state import LazyTrieState
 
@@ -32,10 +35,14 @@ class BeamParams:
     """Parameters of the byte beam.
 
     ``K``: beam width. ``prune_threshold``: drop hypotheses whose share of the beam's mass is at most
-    this. ``eos_tokens``: EOS tokens (``Token`` objects, ids or byte strings); by default the
+    this. ``eos_tokens``: EOS tokens (a list of ``Token`` objects, ids or byte strings); by default the
     tokenizer's EOS. ``heal``: re-tokenize when no hypothesis can take the next byte, backing off at
     most ``heal_max_backoff`` bytes and committing at most ``heal_max_splits`` extra tokens.
     ``verbose``: log the beam after every byte (logger ``genlm_core.bytes.beam``, INFO).
+
+    Every field is checked at construction: ``K`` an integer >= 1, ``prune_threshold`` in
+    ``[0, 1)``, the healing limits None or integers >= 0, ``eos_tokens`` a list (a bare ``b"</s>"``
+    would be read as four token ids, so it is a TypeError).
     """
 
     K: int
@@ -48,11 +55,36 @@ class BeamParams:
     log_prune_threshold: float = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.K < 1:
-            raise ValueError(f"K must be >= 1, got {self.K}")
-        if not 0.0 <= self.prune_threshold < 1.0:
-            raise ValueError(f"prune_threshold must be in [0, 1), got {self.prune_threshold}")
+        self.K = check_int(self.K, "K", 1)
+        self.prune_threshold = check_real(self.prune_threshold, "prune_threshold", 0.0, below=1.0)
+        self.heal = check_bool(self.heal, "heal")
+        self.verbose = check_bool(self.verbose, "verbose")
+        for name in ("heal_max_backoff", "heal_max_splits"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, check_int(value, name, 0))
+        if self.eos_tokens is not None:
+            self.eos_tokens = check_eos_tokens(self.eos_tokens)
         self.log_prune_threshold = math.log(self.prune_threshold) if self.prune_threshold > 0 else -math.inf
+
+
+def check_eos_tokens(eos_tokens: Any) -> list[Any]:
+    """EOS tokens as a list of Tokens, ids (integers >= 0) and byte strings; TypeError/ValueError otherwise."""
+    if isinstance(eos_tokens, (bytes, bytearray, str)) or is_int(eos_tokens):
+        raise TypeError(
+            f"eos_tokens must be a list of tokens, got the single value {eos_tokens!r}: write [{eos_tokens!r}]"
+        )
+    if not isinstance(eos_tokens, Iterable):
+        raise TypeError(f"eos_tokens must be a list of Tokens, token ids or byte strings, got {eos_tokens!r}")
+    out: list[Any] = []
+    for t in eos_tokens:
+        if isinstance(t, Token) or isinstance(t, (bytes, bytearray)):
+            out.append(t)
+        elif is_int(t):
+            out.append(check_int(t, "eos_tokens entry", 0))
+        else:
+            raise TypeError(f"eos_tokens entries must be Tokens, token ids or byte strings, got {t!r}")
+    return out
 
 
 def eos_spec(lm: AsyncLM, eos_tokens: Iterable[Any] | None) -> tuple[list[int], list[bytes]]:
@@ -77,9 +109,14 @@ def eos_spec(lm: AsyncLM, eos_tokens: Iterable[Any] | None) -> tuple[list[int], 
 class ByteBeamState:
     """A beam of :class:`LazyTrieState` hypotheses, heaviest first. ``await (beam << b)`` advances by a byte."""
 
-    def __init__(self, states: list[LazyTrieState], params: BeamParams):
+    def __init__(self, states: list[LazyTrieState], params: BeamParams, trie: AsyncTokenByteTrie | None = None):
         self.states = sorted(states, key=lambda s: -s.weight)
         self.params = params
+        self.trie = trie if trie is not None else (states[0].trie if states else None)
+
+    def _ensure_open(self) -> None:
+        if self.trie is not None and self.trie.closed:
+            raise ClosedError("this byte beam was closed by cleanup() (its byte trie is shut down)")
 
     @classmethod
     async def initial(
@@ -94,13 +131,22 @@ class ByteBeamState:
     ) -> ByteBeamState:
         """The beam before any byte. ``trie`` can be shared between beams over the same model and EOS;
         ``trie_opts`` go to :meth:`AsyncTokenByteTrie.from_vocab` (engine, atomic_byte_strings, ...)."""
+        if not isinstance(lm, AsyncLM):
+            raise TypeError(f"lm must be an AsyncLM, got {type(lm).__name__}")
+        if not isinstance(params, BeamParams):
+            raise TypeError(f"params must be BeamParams, got {type(params).__name__}")
+        lm.ensure_open()
+        if initial_context is not None:
+            initial_context = list(lm.request(initial_context).token_ids)
+        if max_context_length is not None:
+            max_context_length = check_int(max_context_length, "max_context_length", 1)
         if trie is None:
             ids, strings = eos_spec(lm, params.eos_tokens)
             trie = AsyncTokenByteTrie.from_vocab(
                 lm.byte_vocab, eos_token_ids=ids, eos_byte_strings=strings, **(trie_opts or {})
             )
         state = LazyTrieState.initial(lm, trie, TrieMode.WITH_EOS, initial_context, max_context_length)
-        return cls([await state.materialize()], params)
+        return cls([await state.materialize()], params, trie)
 
     def __iter__(self) -> Iterator[LazyTrieState]:
         return iter(self.states)
@@ -119,22 +165,25 @@ class ByteBeamState:
         extensions = [e for s in self.states for e in s.extend_all()]
         if extensions:
             log_z = float(np.logaddexp(log_z, logsumexp([e.weight for e in extensions])))
+        self._ensure_open()
         keep = [e for e in extensions if e.weight - log_z > self.params.log_prune_threshold]
         return list(await asyncio.gather(*(e.materialize() for e in keep)))
 
     async def __lshift__(self, b: int) -> ByteBeamState:
-        """The beam after byte ``b`` (0..255) or EOS (257)."""
+        """The beam after byte ``b`` (0..255) or EOS (257); anything else is a TypeError/ValueError."""
+        b = check_symbol(b)
+        self._ensure_open()
         advanced = [n for s in self.states if (n := s << b) is not None]
         log_z = float(logsumexp([s.weight for s in advanced])) if advanced else -math.inf
         advanced += [n for e in await self.extend(log_z) if (n := e << b) is not None]
-        beam = ByteBeamState(advanced, self.params)
+        beam = ByteBeamState(advanced, self.params, self.trie)
         if not beam.states and self.params.heal and b != EOS:
             healer = TokenHealer(self.params.heal_max_backoff, self.params.heal_max_splits)
             for state in self.states:
                 healed = await healer.try_heal(state, b)
                 if healed is not None:
                     log.info("healed the beam at byte %r", bytes([b]))
-                    beam = ByteBeamState([healed], self.params)
+                    beam = ByteBeamState([healed], self.params, self.trie)
                     break
         if self.params.verbose:
             log.info("after %r:\n%r", bytes([b]) if b < 256 else "EOS", beam)
@@ -142,6 +191,7 @@ class ByteBeamState:
 
     async def logp_next(self) -> LazyByteProbs:
         """Log-probabilities of the next byte (and EOS), marginalising over the beam's tokenizations."""
+        self._ensure_open()
         if not self.states:
             raise ValueError("the beam is empty: no hypothesis is consistent with the bytes so far")
         rows = []
@@ -157,10 +207,10 @@ class ByteBeamState:
         """The ``K`` heaviest hypotheses whose share of the mass is above the threshold."""
         log_z = self.logZ
         kept = [s for s in self.states if s.weight - log_z > self.params.log_prune_threshold][: self.params.K]
-        return ByteBeamState(kept, self.params)
+        return ByteBeamState(kept, self.params, self.trie)
 
     def with_mode(self, mode: TrieMode) -> ByteBeamState:
-        return ByteBeamState([s.with_mode(mode) for s in self.states], self.params)
+        return ByteBeamState([s.with_mode(mode) for s in self.states], self.params, self.trie)
 
     async def _materialized(self) -> ByteBeamState:
         await asyncio.gather(*(s.materialize() for s in self.states))
@@ -172,7 +222,11 @@ class ByteBeamState:
         The text is known in advance, so whenever a byte needs model calls, the contexts the next
         ``lookahead - 1`` bytes could need are requested in the same batch (a superset, found from
         the trie alone). Results are identical; the model runs about ``lookahead`` times less often.
+        A ``str`` is read as its UTF-8 bytes.
         """
+        data = as_bytes(data, "data")
+        lookahead = check_int(lookahead, "lookahead", 1)
+        self._ensure_open()
         beam = await self.with_mode(TrieMode.WITHOUT_EOS)._materialized()
         for i, b in enumerate(data):
             beam = beam.prune()
@@ -213,7 +267,8 @@ class ByteBeamState:
         return [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts]
 
     async def greedy(self, context: bytes, steps: int) -> bytes:
-        """``context`` followed by up to ``steps`` most probable bytes (stops at EOS)."""
+        """``context`` (bytes, or a str read as UTF-8) followed by up to ``steps`` most probable bytes
+        (stops at EOS)."""
         return await self._generate(context, steps, lambda q: q.argmax())
 
     async def sample(
@@ -221,7 +276,7 @@ class ByteBeamState:
     ) -> bytes:
         """``context`` followed by up to ``steps`` sampled bytes (stops at EOS). ``draw`` picks a byte from
         the next-byte distribution (default: sampling with ``numpy.random.default_rng(seed)``)."""
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(check_seed(seed))
 
         def sample_byte(q: LazyByteProbs) -> int:
             p = np.exp(q.ps)
@@ -230,10 +285,12 @@ class ByteBeamState:
         return await self._generate(context, steps, draw or sample_byte)
 
     async def _generate(self, context: bytes, steps: int, pick: Callable[[LazyByteProbs], int]) -> bytes:
+        context = as_bytes(context, "context")
+        steps = check_int(steps, "steps", 0)
         out = bytearray(context)
         beam = await self.prefill(context)
         for _ in range(steps):
-            b = pick(await beam.logp_next())
+            b = check_symbol(pick(await beam.logp_next()))
             if b == EOS:
                 break
             if b == EOT:
@@ -243,9 +300,10 @@ class ByteBeamState:
         return bytes(out)
 
     def cleanup(self) -> None:
-        """Stop the byte trie's worker thread (shared by every beam built from this one)."""
-        if self.states:
-            self.states[0].trie.cleanup()
+        """Stop the byte trie's worker thread (shared by every beam built from this one): every later
+        call on those beams raises ClosedError. Calling it again is harmless."""
+        if self.trie is not None:
+            self.trie.cleanup()
 
     def __repr__(self) -> str:
         lines = [f"logZ: {self.logZ:.4f}"]

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from genlm_core.lm import AsyncLM
+from genlm_core.validation import check_int
 
 
 def default_initial_context(lm: AsyncLM) -> list[int]:
@@ -41,8 +42,8 @@ class StatefulTokenizedLM:
     __slots__ = ("context", "max_context_length", "model", "n_calls")
 
     def __init__(self, model: AsyncLM, context: list[int], max_context_length: int | None = None, n_calls: int = 0):
-        if max_context_length is not None and max_context_length < 1:
-            raise ValueError(f"max_context_length must be >= 1, got {max_context_length}")
+        if max_context_length is not None:
+            max_context_length = check_int(max_context_length, "max_context_length", 1)
         self.model = model
         self.context = context if max_context_length is None else context[-max_context_length:]
         self.max_context_length = max_context_length
@@ -57,7 +58,9 @@ class StatefulTokenizedLM:
         return cls(model, context, max_context_length)
 
     def __lshift__(self, token: int) -> StatefulTokenizedLM:
-        return StatefulTokenizedLM(self.model, [*self.context, int(token)], self.max_context_length, self.n_calls)
+        if type(token) is not int:
+            token = check_int(token, "token")
+        return StatefulTokenizedLM(self.model, [*self.context, token], self.max_context_length, self.n_calls)
 
     async def logp_next(self) -> torch.Tensor:
         """Next-token log-probabilities after the context (batched with concurrent calls)."""

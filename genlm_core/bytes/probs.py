@@ -12,6 +12,18 @@ EOT = 256
 EOS = 257
 
 
+def check_symbol(b: Any) -> int:
+    """A byte (0..255) or EOS (257) to feed a beam or state; TypeError/ValueError naming anything else
+    (EOT, 256, is internal: a token ends by itself)."""
+    if type(b) is not int:
+        if not isinstance(b, (int, np.integer)) or isinstance(b, (bool, np.bool_)):
+            raise TypeError(f"a byte must be an integer 0..255 (or EOS, 257), got {b!r} ({type(b).__name__})")
+        b = int(b)
+    if not (0 <= b < 256 or b == EOS):
+        raise ValueError(f"a byte must be 0..255 (or EOS, 257), got {b}")
+    return b
+
+
 def logsumexp(a: Any, axis: int | None = None) -> Any:
     """log(sum(exp(a))) along ``axis``, exact for -inf entries (all -inf gives -inf)."""
     a = np.asarray(a, dtype=np.float64)
@@ -47,7 +59,7 @@ class LazyByteProbs:
         """Entry for byte ``b`` (0..255), EOT (``None`` or 256) or EOS (257)."""
         if b is None:
             return float(self.ps[EOT])
-        if not 0 <= b <= EOS:
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b <= EOS:
             raise ValueError(f"invalid index {b}: bytes are 0..255, EOT is None (or 256), EOS is 257")
         return float(self.ps[b])
 

@@ -18,23 +18,39 @@ import numba
 import numpy as np
 import torch
 
-from genlm_core.batching import AutoBatcher
+from genlm_core.batching import AutoBatcher, ContentKey
+from genlm_core.errors import ClosedError
 from genlm_core.plugins import get_plugins
+from genlm_core.trie.async_trie import stack_rows
 from genlm_core.trie.base import TrieBase
 from genlm_core.trie.index import END
+from genlm_core.validation import as_bytes, check_batcher_numbers
 
 from .probs import EOS, EOT
 
 
 @numba.njit(cache=True, nogil=True)
-def _gather_leaves(p: np.ndarray, order: np.ndarray, out: np.ndarray) -> float:  # pragma: no cover - compiled
-    """``out[i] = p[order[i]]`` in float64; returns the float64 total."""
+def _gather_leaves(
+    p: np.ndarray, order: np.ndarray, out: np.ndarray
+) -> tuple[float, int]:  # pragma: no cover - compiled
+    """``out[i] = p[order[i]]`` in float64; returns the float64 total and the first token id whose
+    probability is not finite and >= 0 (-1 when all are)."""
     total = 0.0
     for i in range(order.shape[0]):
         x = np.float64(p[order[i]])
+        if not (x >= 0.0 and x < np.inf):
+            return total, order[i]
         out[i] = x
         total += x
-    return total
+    return total, -1
+
+
+def check_mode(mode: Any) -> TrieMode:
+    """``mode`` as a :class:`TrieMode` (its value strings are accepted too)."""
+    try:
+        return TrieMode(mode)
+    except ValueError:
+        raise ValueError(f"mode must be TrieMode.WITH_EOS or TrieMode.WITHOUT_EOS, got {mode!r}") from None
 
 
 class Masses:
@@ -157,10 +173,10 @@ class TokenByteTrie:
             self._children[node] = kids
         return kids
 
-    def node_of(self, prefix: bytes) -> int | None:
-        """The node of byte string ``prefix``, or None when no token starts with it."""
+    def node_of(self, prefix: bytes | str) -> int | None:
+        """The node of byte string ``prefix`` (a ``str`` is read as UTF-8), or None when no token starts with it."""
         node = self.root
-        for b in prefix:
+        for b in as_bytes(prefix, "prefix"):
             found = self.children(node).get(b)
             if found is None:
                 return None
@@ -174,12 +190,16 @@ class TokenByteTrie:
         return [(int(leaf), int(self.trie.index.node_token[leaf])) for leaf in kids]
 
     def masses(self, probs: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> Masses:
-        """Lazy :class:`Masses` of one probability vector over the vocabulary (numpy or torch)."""
-        p = probs.detach().cpu().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs)
-        if p.shape != (len(self.decode),):
-            raise ValueError(f"expected {len(self.decode)} probabilities, got shape {p.shape}")
+        """Lazy :class:`Masses` of one probability vector over the vocabulary (numpy or torch, any
+        float dtype). ValueError for a wrong shape or a probability that is NaN, infinite or negative."""
+        mode = check_mode(mode)
+        p = self.trie.check_weights(probs, single=True, check_values=False)[0]
+        if isinstance(p, torch.Tensor):
+            p = p.cpu().numpy()
         leaf_probs = np.empty(len(self.leaf_tokens))
-        total = _gather_leaves(p, self.leaf_tokens, leaf_probs)
+        total, bad = _gather_leaves(p, self.leaf_tokens, leaf_probs)
+        if bad >= 0:
+            raise ValueError(f"probability of token {bad} is {p[bad]}: probabilities must be finite and >= 0")
         leaf_probs[self._zeroed_ranks[mode]] = 0.0
         eos = float(p[self.eos_token_ids].sum(dtype=np.float64)) if mode is TrieMode.WITH_EOS else 0.0
         return Masses(self, leaf_probs, total, eos)
@@ -203,11 +223,11 @@ class TokenByteTrie:
 
     def batch_weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, np.ndarray]:
         """``(masses [batch, nodes], eos_mass [batch])`` for probability vectors ``ws`` ``[batch, vocab]``."""
-        return self._masses(self.trie.check_weights(ws), mode)
+        return self._masses(self.trie.check_weights(ws), check_mode(mode))
 
     def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
-        """``(masses [nodes], eos_mass)`` for one probability vector."""
-        masses, eos = self.batch_weight_sum(ws, mode)
+        """``(masses [nodes], eos_mass)`` for one probability vector (a batch: :meth:`batch_weight_sum`)."""
+        masses, eos = self._masses(self.trie.check_weights(ws, single=True), check_mode(mode))
         return masses[0], float(eos[0])
 
     def _masses(self, checked: Any, mode: TrieMode) -> tuple[np.ndarray, np.ndarray]:
@@ -226,6 +246,8 @@ class AsyncTokenByteTrie:
     """Concurrent ``await trie.weight_sum(probs, mode)`` calls, batched by the core AutoBatcher."""
 
     def __init__(self, trie: TokenByteTrie, batch_size: int = 128, timeout: float = 0.0):
+        if not isinstance(trie, TokenByteTrie):
+            raise TypeError(f"trie must be a TokenByteTrie, got {type(trie).__name__}")
         self.trie = trie
         # timeout 0: the requests of one beam step are all issued before the event loop turns
         self.batcher: AutoBatcher[tuple[TrieMode, Any], tuple[np.ndarray, float]] = AutoBatcher(
@@ -237,6 +259,7 @@ class AsyncTokenByteTrie:
         cls, vocab: Sequence[bytes], batch_size: int = 128, timeout: float = 0.0, **trie_kwargs: Any
     ) -> AsyncTokenByteTrie:
         """Build a :class:`TokenByteTrie` (``trie_kwargs``: engine, eos_byte_strings, ...) and wrap it."""
+        check_batcher_numbers(batch_size, timeout)  # before the (slower) build
         return cls(TokenByteTrie(vocab, **trie_kwargs), batch_size=batch_size, timeout=timeout)
 
     def _process(self, items: list[tuple[TrieMode, np.ndarray]]) -> list[tuple[np.ndarray, float]]:
@@ -244,21 +267,27 @@ class AsyncTokenByteTrie:
         for mode in TrieMode:
             picked = [i for i, (m, _) in enumerate(items) if m is mode]
             if picked:
-                masses, eos = self.trie._masses(np.stack([items[i][1] for i in picked]), mode)
+                masses, eos = self.trie._masses(stack_rows([items[i][1] for i in picked]), mode)
                 for j, i in enumerate(picked):
                     results[i] = (masses[j], float(eos[j]))
         return results
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`cleanup` has been called."""
+        return self.batcher.closed
+
     async def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
-        """``(masses, eos_mass)`` for one probability vector (already checked: fails alone, at once)."""
-        checked = self.trie.trie.check_weights(ws)
-        if checked.shape[0] != 1:
-            raise ValueError("weight_sum takes one probability vector")
-        row = checked[0].detach().cpu().numpy() if isinstance(checked, torch.Tensor) else checked[0]
-        return await self.batcher.submit((mode, id(ws)), (mode, row))
+        """``(masses, eos_mass)`` for one probability vector, checked and copied when submitted (a bad
+        vector fails alone, at once; later changes to the caller's array do not change the result)."""
+        if self.closed:
+            raise ClosedError("this AsyncTokenByteTrie was closed by cleanup()")
+        mode = check_mode(mode)
+        row = self.trie.trie.check_weights(ws, single=True, copy=True)[0]
+        return await self.batcher.submit(ContentKey(mode, row), (mode, row))
 
     def cleanup(self) -> None:
-        """Stop the worker thread."""
+        """Stop the worker thread; later calls raise ClosedError. Calling it again is harmless."""
         self.batcher.close()
 
     shutdown = cleanup

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .lm_state import StatefulTokenizedLM
-from .probs import EOS, EOT, LazyByteProbs
+from .probs import EOS, EOT, LazyByteProbs, check_symbol
 from .trie import AsyncTokenByteTrie, Masses, TrieMode
 
 
@@ -77,6 +77,7 @@ class LazyTrieState:
 
     def __lshift__(self, b: int) -> LazyTrieState | None:
         """Consume byte ``b`` (or EOS, 257) inside the current token; None if impossible."""
+        b = check_symbol(b)
         if self.terminated:
             return None
         trie = self.trie.trie

@@ -6,21 +6,33 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from genlm_core.batching import AutoBatcher
+from genlm_core.batching import AutoBatcher, ContentKey
+from genlm_core.errors import ClosedError
 from genlm_core.plugins import get_plugins
 from genlm_core.trie.base import TrieBase
+from genlm_core.validation import check_batcher_numbers
+
+
+def stack_rows(rows: list[Any]) -> np.ndarray | torch.Tensor:
+    """Checked 1-D weight rows (numpy, or tensors on one device) as one 2-D batch."""
+    return torch.stack(rows) if isinstance(rows[0], torch.Tensor) else np.stack(rows)
 
 
 class AsyncTokenCharacterTrie:
     """Batches concurrent weight_sum / weight_max requests into engine batch calls.
 
-    Inputs are checked when submitted (a bad vector fails alone, at once); the same weight object
-    submitted twice for the same operation is computed once. Batches run in a worker thread, so the
-    event loop (and the language model's batches) keep going meanwhile.
+    Inputs are checked and copied when submitted (a bad vector fails alone, at once; changing the
+    caller's array afterwards does not change the result); equal weight vectors submitted together
+    for the same operation are computed once. Batches run in a worker thread, so the event loop
+    (and the language model's batches) keep going meanwhile. After :meth:`cleanup` every call
+    raises :class:`~genlm_core.errors.ClosedError`.
     """
 
     def __init__(self, trie: TrieBase, batch_size: int = 128, timeout: float = 0.001):
+        if not isinstance(trie, TrieBase):
+            raise TypeError(f"trie must be a trie engine (a TrieBase), got {type(trie).__name__}")
         self.trie = trie
         self.batcher: AutoBatcher[tuple[str, Any], np.ndarray] = AutoBatcher(
             self._process, batch_size=batch_size, timeout=timeout, run_in_thread=True, name="trie"
@@ -37,6 +49,7 @@ class AsyncTokenCharacterTrie:
     ) -> AsyncTokenCharacterTrie:
         """Build the trie with a registered engine (``numba``/``cpu``/``sequential``,
         ``torch``/``parallel``, or a plugin's) and wrap it."""
+        check_batcher_numbers(batch_size, timeout)  # before the (slower) build
         engine = get_plugins().trie_engine(backend).load()
         return cls(engine(vocab, **engine_kwargs), batch_size=batch_size, timeout=timeout)
 
@@ -45,16 +58,20 @@ class AsyncTokenCharacterTrie:
         for op in ("sum", "max"):
             picked = [i for i, (o, _) in enumerate(items) if o == op]
             if picked:
-                batch = self.trie.check_weights([items[i][1] for i in picked], allow_neg_inf=op == "max")
-                for i, row in zip(picked, self.trie._reduce(batch, op)):
+                for i, row in zip(picked, self.trie._reduce(stack_rows([items[i][1] for i in picked]), op)):
                     results[i] = row
         return results
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`cleanup` has been called."""
+        return self.batcher.closed
+
     async def _submit(self, op: str, ws: Any) -> np.ndarray:
-        checked = self.trie.check_weights(ws, allow_neg_inf=op == "max")
-        if checked.shape[0] != 1:
-            raise ValueError(f"weight_{op} takes one weight vector; use batch_weight_{op} for batches")
-        return await self.batcher.submit((op, id(ws)), (op, checked[0]))
+        if self.closed:
+            raise ClosedError("this AsyncTokenCharacterTrie was closed by cleanup()")
+        row = self.trie.check_weights(ws, allow_neg_inf=op == "max", single=True, copy=True)[0]
+        return await self.batcher.submit(ContentKey(op, row), (op, row))
 
     async def weight_sum(self, ws: Any) -> np.ndarray:
         """Per-node sums for one weight vector, batched with concurrent calls."""
@@ -65,7 +82,7 @@ class AsyncTokenCharacterTrie:
         return await self._submit("max", ws)
 
     def cleanup(self) -> None:
-        """Stop the worker thread."""
+        """Stop the worker thread; later calls raise ClosedError. Calling it again is harmless."""
         self.batcher.close()
 
     shutdown = cleanup

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from genlm_core.trie.index import END, TrieIndex
+from genlm_core.validation import as_bytes
 
 
 class TrieBase(abc.ABC):
@@ -59,10 +60,11 @@ class TrieBase(abc.ABC):
             prefixes[node] = prefixes[parent[node]] + (bytes([edge[node]]) if edge[node] != END else b"")
         return prefixes
 
-    def node_of_prefix(self, prefix: bytes) -> int | None:
-        """The node whose prefix is ``prefix``, or None when no token starts with it."""
+    def node_of_prefix(self, prefix: bytes | str) -> int | None:
+        """The node whose prefix is ``prefix`` (a ``str`` is read as UTF-8), or None when no token
+        starts with it."""
         node = self.root
-        for b in prefix:
+        for b in as_bytes(prefix, "prefix"):
             child = self.children[node].get(b)
             if child is None:
                 return None
@@ -71,16 +73,53 @@ class TrieBase(abc.ABC):
 
     # ---- weights ----------------------------------------------------------------------------
 
-    def check_weights(self, ws: Any, allow_neg_inf: bool = False) -> np.ndarray | torch.Tensor:
-        """``ws`` as 2-D ``[batch, vocab]``; ValueError for a wrong length, NaN or infinity.
+    def check_weights(
+        self,
+        ws: Any,
+        allow_neg_inf: bool = False,
+        *,
+        single: bool = False,
+        copy: bool = False,
+        check_values: bool = True,
+    ) -> np.ndarray | torch.Tensor:
+        """``ws`` as a 2-D ``[batch, vocab]`` float32/float64 array (numpy; a tensor on a non-CPU device).
 
-        ``allow_neg_inf`` admits ``-inf`` (log-space zero), as :meth:`weight_max` does.
+        Takes numpy arrays, torch tensors and lists of numbers or of vectors. bfloat16 and float16
+        are widened to float32, integers to float64; bool, complex and other dtypes are a TypeError.
+        ValueError for a wrong shape (with ``single``, anything but one ``(vocab,)`` vector), and for
+        NaN or infinity (``allow_neg_inf`` admits ``-inf``, log-space zero) unless not
+        ``check_values``. With ``copy`` the result never shares memory with ``ws``: a snapshot.
         """
+        fresh = False
         if isinstance(ws, (list, tuple)):
-            tensors = bool(ws) and isinstance(ws[0], torch.Tensor)
-            ws = torch.stack([torch.as_tensor(w) for w in ws]) if tensors else np.asarray(ws, dtype=np.float64)
+            if ws and all(isinstance(w, torch.Tensor) for w in ws):
+                ws = torch.stack([w.detach() for w in ws])
+            else:
+                try:
+                    ws = np.asarray([np.asarray(w.detach().cpu() if isinstance(w, torch.Tensor) else w) for w in ws])
+                except ValueError as exc:
+                    raise ValueError(f"weights: cannot make an array of the list given ({exc})") from None
+            fresh = True
         elif not isinstance(ws, (np.ndarray, torch.Tensor)):
             raise TypeError(f"weights must be a numpy array, torch tensor or list of them, got {type(ws).__name__}")
+        if isinstance(ws, torch.Tensor):
+            if ws.dtype in (torch.bfloat16, torch.float16):
+                ws, fresh = ws.float(), True
+            elif ws.dtype == torch.bool or ws.is_complex():
+                raise TypeError(f"weights must be real numbers, got a tensor of dtype {ws.dtype}")
+            elif not ws.is_floating_point():
+                ws, fresh = ws.double(), True
+        else:
+            kind = ws.dtype.kind
+            if kind == "f" and ws.dtype not in (np.float32, np.float64):
+                ws, fresh = ws.astype(np.float32 if ws.itemsize < 4 else np.float64), True
+            elif kind in "iu":
+                ws, fresh = ws.astype(np.float64), True
+            elif kind != "f":
+                raise TypeError(f"weights must be real numbers, got an array of dtype {ws.dtype}")
+        if single and (ws.ndim != 1 or ws.shape[0] != self.vocab_size):
+            hint = ": use the batch_ method for a batch" if ws.ndim == 2 else ""
+            raise ValueError(f"expected one weight vector of shape ({self.vocab_size},), got {tuple(ws.shape)}{hint}")
         if ws.ndim not in (1, 2) or ws.shape[-1] != self.vocab_size:
             raise ValueError(
                 f"expected weights of shape ({self.vocab_size},) or (batch, {self.vocab_size}), got {tuple(ws.shape)}"
@@ -89,7 +128,17 @@ class TrieBase(abc.ABC):
         if isinstance(ws, torch.Tensor) and ws.device.type == "cpu":
             ws = ws.detach().numpy()
         if isinstance(ws, np.ndarray):
-            ws = np.ascontiguousarray(ws if ws.dtype in (np.float32, np.float64) else ws.astype(np.float64))
+            contiguous = np.ascontiguousarray(ws)
+            fresh = fresh or contiguous is not ws
+            ws = contiguous.copy() if copy and not fresh else contiguous
+        elif copy and not fresh:
+            ws = ws.detach().clone()
+        if check_values:
+            self._check_finite(ws, allow_neg_inf)
+        return ws
+
+    def _check_finite(self, ws: np.ndarray | torch.Tensor, allow_neg_inf: bool) -> None:
+        if isinstance(ws, np.ndarray):
             ok = (ws < np.inf) if allow_neg_inf else np.isfinite(ws)  # NaN fails both
         else:
             ok = (ws < float("inf")) if allow_neg_inf else torch.isfinite(ws)
@@ -98,15 +147,14 @@ class TrieBase(abc.ABC):
             value = float(ws.reshape(-1)[where])
             allowed = "finite or -inf" if allow_neg_inf else "finite"
             raise ValueError(f"weight of token {where % self.vocab_size} is {value}: weights must be {allowed}")
-        return ws
 
     def weight_sum(self, ws: Any) -> np.ndarray:
-        """Per-node sum of the token weights ``ws`` (shape ``(vocab,)``) below each node."""
-        return self._reduce(self.check_weights(ws), "sum")[0]
+        """Per-node sum of the token weights ``ws`` (one vector, shape ``(vocab,)``) below each node."""
+        return self._reduce(self.check_weights(ws, single=True), "sum")[0]
 
     def weight_max(self, ws: Any) -> np.ndarray:
-        """Per-node max of ``ws`` below each node; right for log-space weights (-inf allowed)."""
-        return self._reduce(self.check_weights(ws, allow_neg_inf=True), "max")[0]
+        """Per-node max of ``ws`` (one vector) below each node; right for log-space weights (-inf allowed)."""
+        return self._reduce(self.check_weights(ws, allow_neg_inf=True, single=True), "max")[0]
 
     def batch_weight_sum(self, ws: Any) -> np.ndarray:
         """:meth:`weight_sum` for a batch ``(batch, vocab)`` (or a list of vectors)."""

@@ -225,7 +225,7 @@ def test_sample_token_matches_distribution():
     [
         ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"eos_token_ids": [10**7]}, "eos token ids"),
+        ({"eos_token_ids": [10**7]}, "eos_token_ids entry 10000000 is outside"),
     ],
 )
 async def test_bad_sampling_arguments(lm, kwargs, message):

@@ -100,8 +100,10 @@ def test_inputs_numpy_torch_batched_and_lists(make):
 @pytest.mark.parametrize("make", ENGINES, ids=ENGINE_IDS)
 def test_bad_inputs_are_clear_errors(make):
     trie = make([b"a", b"b"])
-    with pytest.raises(ValueError, match=r"shape \(2,\) or \(batch, 2\), got \(3,\)"):
+    with pytest.raises(ValueError, match=r"one weight vector of shape \(2,\), got \(3,\)"):
         trie.weight_sum(np.ones(3))
+    with pytest.raises(ValueError, match=r"shape \(2,\) or \(batch, 2\), got \(2, 3\)"):
+        trie.batch_weight_sum(np.ones((2, 3)))
     with pytest.raises(ValueError, match="token 1 is nan"):
         trie.weight_sum(np.array([1.0, np.nan]))
     with pytest.raises(ValueError, match="token 0 is inf"):

@@ -49,6 +49,20 @@ def kv_reuse_problem(model: Any) -> str | None:
     return None
 
 
+def position_limit(model: Any) -> int | None:
+    """The most positions a model with learned absolute position embeddings (GPT-2's ``wpe``, OPT's
+    ``embed_positions``) can take; None for relative schemes (RoPE, ALiBi), which have no hard limit."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return None
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, torch.nn.Embedding) and (leaf == "wpe" or "position" in leaf):
+            return int(limit)
+    return None
+
+
 def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
     """A DynamicCache holding ``kv`` without copying it (the model's update concatenates, never writes)."""
     from transformers import DynamicCache
@@ -74,6 +88,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         super().__init__(tokenizer, **o.lm_kwargs())
         self.model = model.eval()
         self.device = model.get_input_embeddings().weight.device
+        self.context_limit = position_limit(model)
         problem = kv_reuse_problem(model)
         if problem and o.reuse_kv:
             log.warning(
@@ -193,6 +208,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
 
     def load_lora(self, path: str, name: str = "lora_1") -> None:
         """Load a peft LoRA adapter from ``path`` under ``name`` (it does not become active)."""
+        self.ensure_open()
         try:
             from peft import PeftModel
         except ImportError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,15 @@ class MockAsyncLM(AsyncLM):
     """Logits are a deterministic function of the whole context (and ``seed``): Gaussian with
     standard deviation ``scale``, so distributions are non-flat and differ from context to context.
 
-    ``batches`` records the requests of every ``forward_batch`` call, so tests can observe batching.
+    ``batches`` records the requests of the most recent ``forward_batch`` calls (``keep_batches``
+    of them), so tests can observe batching.
     """
 
     def __init__(self, tokenizer: Any, options: MockOptions | None = None, **kwargs: Any):
         self.options = options or MockOptions(**kwargs)
         o = self.options
         super().__init__(tokenizer, **o.lm_kwargs())
-        self.batches: list[list[Request]] = []
+        self.batches: deque[list[Request]] = deque(maxlen=o.keep_batches)
 
     @classmethod
     def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:

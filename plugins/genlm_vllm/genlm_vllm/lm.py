@@ -67,6 +67,9 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
             self._sample_batch, batch_size=o.batch_size, timeout=o.timeout, run_in_thread=True, name="vllm-sample"
         )
         self.generate_calls = 0
+        # vLLM needs room for the one token it generates after the context
+        max_model_len = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "max_model_len", None)
+        self.context_limit = None if max_model_len is None else int(max_model_len) - 1
         self._tags = itertools.count()
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
 
@@ -129,7 +132,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         """vLLM's own sampling; concurrent calls share one ``generate``. Stops after one of
         ``eos_token_ids`` (included in the result), not on the model's EOS otherwise."""
         request = self.request(prompt_token_ids)
-        eos = self._check_sampling(max_tokens, eos_token_ids, temperature)
+        max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
         if max_tokens == 0:
             return []
         item = (request, max_tokens, tuple(sorted(eos)), temperature, seed)
@@ -155,6 +158,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
     def load_lora(self, path: str, name: str = "lora_1") -> None:
         """Register a LoRA adapter (needs ``enable_lora=True``); it applies per request once active."""
+        self.ensure_open()
         if not self.options.enable_lora:
             raise ValueError("this engine was started without enable_lora=True")
         from vllm.lora.request import LoRARequest

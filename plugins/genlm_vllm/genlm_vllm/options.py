@@ -18,7 +18,7 @@ class VLLMOptions(BackendOptions):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of GPU memory for the engine (on CPU builds: of RAM for the KV cache)."
     )
-    max_model_len: int | None = Field(None, description="Longest context the engine accepts.")
+    max_model_len: PositiveInt | None = Field(None, description="Longest context the engine accepts.")
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching.")
     enable_lora: bool = Field(False, description="Allow LoRA adapters (load_lora / set_lora).")
     max_lora_rank: PositiveInt = Field(16, description="Largest LoRA rank the engine reserves room for.")
