@@ -1,9 +1,18 @@
 """genlm-core: async, autobatched language models for probabilistic programs, with backend plugins."""
 
-from genlm_core.batching import AutoBatcher, Failed
+from genlm_core.batching import AutoBatcher, ContentKey, Failed
 from genlm_core.cache import OutputCache
 from genlm_core.config import BackendOptions, ModelConfig
-from genlm_core.errors import BackendNotFoundError, GenlmError, OptionsError, PluginConflictError, VocabDecodingError
+from genlm_core.errors import (
+    BackendNotFoundError,
+    BatcherError,
+    ClosedError,
+    ConfigError,
+    GenlmError,
+    OptionsError,
+    PluginConflictError,
+    VocabDecodingError,
+)
 from genlm_core.hookspecs import hookimpl
 from genlm_core.lm import AsyncLM, LoRASelection, Request, logits_to_logprobs
 from genlm_core.loading import default_backend, load_model, load_model_by_name
@@ -16,6 +25,10 @@ __all__ = [
     "AutoBatcher",
     "BackendNotFoundError",
     "BackendOptions",
+    "BatcherError",
+    "ClosedError",
+    "ConfigError",
+    "ContentKey",
     "Failed",
     "GenlmError",
     "LoRASelection",

@@ -72,9 +72,7 @@ class ModelConfig(BaseModel):
     def from_data(cls, data: Any, source: str = "config") -> ModelConfig:
         """Validate a dict of the fields; ConfigError names every problem and where it came from."""
         if not isinstance(data, dict):
-            raise ConfigError(
-                f"{source} must be a table/dict with keys model, backend, options; got {type(data).__name__}"
-            )
+            raise ConfigError(f"{source} must be a dict with keys model, backend, options; got {type(data).__name__}")
         try:
             return cls.model_validate(data)
         except ValidationError as exc:

@@ -38,11 +38,16 @@ def max_abs_diff(rows: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -
     return max((a.double() - b.double()).abs().max().item() for a, b in zip(rows, others))
 
 
-def check_lm_contract(lm: AsyncLM, contexts: Sequence[Sequence[int]], atol: float = 1e-5) -> None:
+def check_lm_contract(
+    lm: AsyncLM, contexts: Sequence[Sequence[int]], atol: float = 1e-5, bad_input: bool = True
+) -> None:
     """Assert the AsyncLM protocol contract on ``contexts``; raises AssertionError naming what broke.
 
     Each vector is 1-D float32 of length ``len(byte_vocab)`` and normalised; the async, sync,
-    batched and concurrent paths agree within ``atol``.
+    batched and concurrent paths agree within ``atol``. With ``bad_input``, bad contexts and
+    sampling arguments must each raise TypeError/ValueError without a hang, cancelled requests
+    must not disturb others, and the model must answer as before afterwards
+    (:func:`genlm_core.testing.bad_input.check_rejects_bad_input`).
     """
     lm.clear_cache()
     singles = [lm.next_token_logprobs_sync(c) for c in contexts]
@@ -64,3 +69,7 @@ def check_lm_contract(lm: AsyncLM, contexts: Sequence[Sequence[int]], atol: floa
             diff = (one - other).abs().nan_to_num(0.0).max().item()
             assert diff <= atol, f"{name} differs from single by {diff} for context {c}"
             assert torch.equal(one.isinf(), other.isinf()), f"{name}: -inf positions differ for context {c}"
+    if bad_input:
+        from genlm_core.testing.bad_input import check_rejects_bad_input
+
+        check_rejects_bad_input(lm, contexts[0], atol)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from genlm_core import hookimpl
@@ -59,3 +63,109 @@ def test_logprobs_prints_top_k_table_matching_the_model(capsys):
 def test_errors_are_short_and_helpful(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def assert_one_line_error(capsys, argv, message, code=2):
+    """The command fails with exit status ``code`` and exactly one line on stderr, no traceback."""
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("genlm") and "Traceback" not in captured.err
+    assert message in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["backends", "extra"], "unrecognized arguments: extra"),
+        (["nosuchcommand"], "invalid choice: 'nosuchcommand'"),
+        ([], "required: command"),
+    ],
+)
+def test_backends_and_parser_usage_errors_are_one_line(capsys, argv, message):
+    assert_one_line_error(capsys, argv, message)
+
+
+def test_options_of_a_missing_backend_is_one_line(capsys):
+    assert_one_line_error(capsys, ["options", "nosuch"], "pip install genlm-nosuch")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["logprobs", "gpt2", "x", "-b", "mock", "--top", "-5"], "argument --top/-k: must be >= 1, got -5"),
+        (["logprobs", "gpt2", "x", "-b", "mock", "--top", "0"], "must be >= 1, got 0"),
+        (["logprobs", "gpt2", "x", "-b", "mock", "--top", "two"], "expected an integer, got 'two'"),
+        (["logprobs", "gpt2", "", "-b", "mock"], "TEXT gives no tokens"),
+        (["logprobs", "no-such-model", "x", "-b", "mock"], "neither a local tokenizer folder"),
+        (["logprobs", "gpt2", "x", "-b", "mock", "-o", "batch_size=1.5"], "option 'batch_size'"),
+        (["logprobs", "gpt2", "x", "-b", "mock", "-o", "timeout=Infinity"], "option 'timeout'"),
+        (["logprobs", "gpt2", "x", "-b", "mock", "-o", "novalue"], "must look like key=value"),
+    ],
+)
+def test_logprobs_user_errors_are_one_line(capsys, argv, message):
+    assert_one_line_error(capsys, argv, message)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["continue", "gpt2", "x", "-b", "mock", "-K", "0"], "argument --beam/-K: must be >= 1, got 0"),
+        (["continue", "gpt2", "x", "-b", "mock", "--prune", "1.5"], "argument --prune: must be >= 0.0 and < 1.0"),
+        (["continue", "gpt2", "x", "-b", "mock", "--prune", "nan"], "argument --prune: must be"),
+        (["continue", "gpt2", "x", "-b", "mock", "--sample", "--seed", "-1"], "argument --seed: must be >= 0"),
+        (["continue", "gpt2", "x", "-b", "mock", "-n", "-3"], "argument --bytes/-n: must be >= 0, got -3"),
+        (["continue", "no-such-model", "x", "-b", "mock"], "neither a local tokenizer folder"),
+    ],
+)
+def test_continue_user_errors_are_one_line(capsys, argv, message):
+    assert_one_line_error(capsys, argv, message)
+
+
+def test_top_larger_than_the_vocabulary_shows_the_whole_vocabulary(capsys, tmp_path):
+    """Documented choice: --top is capped at the vocabulary size rather than refused."""
+    from genlm_core.testing.tokenizers import toy_tokenizer
+
+    folder = tmp_path / "toy"
+    toy_tokenizer().save_pretrained(folder)
+    assert main(["logprobs", str(folder), "ab", "-b", "mock", "--top", "100000"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    from genlm_mock import MockAsyncLM
+
+    assert len(lines) - 3 == MockAsyncLM.from_name(str(folder)).vocab_size
+
+
+def test_continue_with_empty_text_starts_from_nothing(capsys):
+    assert main(["continue", "gpt2", "", "-b", "mock", "-n", "3", "-K", "2"]) == 0
+    assert capsys.readouterr().out.strip() != ""
+
+
+def test_internal_errors_are_one_line_with_a_hint(capsys, monkeypatch):
+    import genlm_core.cli as cli
+
+    def broken():
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli, "get_plugins", broken)
+    line = assert_one_line_error(capsys, ["backends"], "ZeroDivisionError: a bug", code=1)
+    assert "rerun with -v" in line
+
+
+def run_cli(*argv: str | bytes) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "genlm_core.cli", *argv], capture_output=True, timeout=300, env={**os.environ}
+    )
+
+
+def test_real_process_exit_codes_and_raw_non_utf8_text():
+    bad = run_cli("continue", "gpt2", "x", "-b", "mock", "-n", "-3")
+    assert bad.returncode == 2 and bad.stdout == b""
+    assert bad.stderr.decode().count("\n") == 1 and b"Traceback" not in bad.stderr
+    raw = b"caf\xe9"  # Latin-1, not UTF-8: the byte LM continues the raw bytes
+    ok = run_cli("continue", "gpt2", raw, "-b", "mock", "-n", "2", "-K", "2")
+    assert ok.returncode == 0, ok.stderr
+    refused = run_cli("logprobs", "gpt2", raw, "-b", "mock")
+    assert refused.returncode == 2 and b"TEXT is not valid UTF-8: b'caf\\xe9'" in refused.stderr
+    assert refused.stderr.count(b"\n") == 1 and b"Traceback" not in refused.stderr
