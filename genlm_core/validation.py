@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -102,23 +101,21 @@ def check_token_ids(token_ids: Any, vocab_size: int, name: str = "token_ids") ->
             f"{name} must be a sequence of ints (list, tuple, 1-D integer array), "
             f"got {type(token_ids).__name__} {_show(token_ids)}"
         )
-    types = set(map(type, token_ids))
-    if not types <= {int}:
+    if set(map(type, token_ids)) <= {int}:  # plain ints, the usual case: no conversion needed
+        ids = tuple(token_ids)
+    else:
         for pos, i in enumerate(token_ids):
             if not is_int(i):
                 raise TypeError(
                     f"{name} must be a sequence of ints: position {pos} holds {_show(i)} ({type(i).__name__})"
                 )
-    try:
-        ids = array("q", token_ids)  # C-speed conversion; overflows past int64
-    except OverflowError:
-        ids = None
-    if ids is None or (ids and (min(ids) < 0 or max(ids) >= vocab_size)):
-        pos, bad = next((p, int(i)) for p, i in enumerate(token_ids) if not 0 <= int(i) < vocab_size)
-        raise ValueError(f"{name}: token id {bad} at position {pos} is outside the vocabulary [0, {vocab_size})")
+        ids = tuple(map(int, token_ids))
     if not ids:
         raise ValueError(f"{name} is empty: a next-token distribution needs at least one context token (e.g. BOS)")
-    return tuple(ids)
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        pos, bad = next((p, i) for p, i in enumerate(ids) if not 0 <= i < vocab_size)
+        raise ValueError(f"{name}: token id {bad} at position {pos} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def check_token_id_set(token_ids: Any, vocab_size: int, name: str) -> set[int]:

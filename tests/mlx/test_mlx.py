@@ -12,6 +12,7 @@ mx = pytest.importorskip("mlx.core", reason="MLX cannot be imported on this mach
 from genlm_core import OptionsError, load_model_by_name  # noqa: E402
 from genlm_core.testing import concurrent_logprobs as gather  # noqa: E402
 from genlm_core.testing import max_abs_diff as max_diff  # noqa: E402
+from genlm_core.testing.bad_input import check_rejects_bad_input, check_rejects_generated_bad_input  # noqa: E402
 from genlm_core.testing.models import tiny_model_dir  # noqa: E402
 from genlm_hf import AsyncTransformer  # noqa: E402
 from genlm_mlx import AsyncMlxLM  # noqa: E402
@@ -97,6 +98,12 @@ def test_sampling_batched_and_stops_on_eos(pair):
     calls = mlx_lm.forward_calls
     outs = asyncio.run(mlx_lm.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
     assert [len(o) for o in outs] == [4, 4, 4] and mlx_lm.forward_calls - calls <= 5
+
+
+def test_rejects_bad_input_without_hanging_and_answers_after(pair):
+    mlx_lm, _ = pair
+    check_rejects_bad_input(mlx_lm, [1, 2, 3])
+    check_rejects_generated_bad_input(mlx_lm, [1, 2, 3], max_examples=25)
 
 
 def test_registry_and_options():

@@ -11,9 +11,10 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_core import load_model_by_name
+from genlm_core import ClosedError, load_model_by_name
 from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
+from genlm_core.testing.bad_input import check_rejects_bad_input, check_rejects_generated_bad_input
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 
@@ -107,8 +108,33 @@ def test_missing_vllm_names_both_extras(monkeypatch):
     assert "genlm-vllm[cuda]" in reason and "genlm-vllm[cpu]" in reason
 
 
+def test_rejects_bad_input_without_hanging_and_answers_after(engine):
+    check_rejects_bad_input(engine, [1, 2, 3], atol=1e-5)
+    check_rejects_generated_bad_input(engine, [1, 2, 3], max_examples=25, atol=1e-5)
+
+
+def test_tiny_temperature_samples_instead_of_crashing(engine):
+    """vLLM raises temperatures below 0.01 to 0.01 itself; either way a token comes back."""
+    out = asyncio.run(engine.sample([1, 2, 3], 4, [], temperature=1e-310, seed=1))
+    assert len(out) == 4 and all(0 <= t < engine.vocab_size for t in out)
+
+
+def test_context_past_max_model_len_is_refused_before_the_engine(engine):
+    """vLLM needs room for the generated token: max_model_len=2048 admits contexts of 2047 tokens."""
+    assert engine.context_limit == 2047
+    calls = engine.generate_calls
+    with pytest.raises(ValueError, match="2048 tokens, more than this model's limit of 2047 positions"):
+        engine.next_token_logprobs_sync([1] * 2048)
+    assert engine.generate_calls == calls
+
+
 def test_cleanup_then_second_engine_in_same_process(engine, path, hf):
     engine.cleanup()
+    engine.cleanup()  # twice is fine
+    with pytest.raises(ClosedError, match="closed by cleanup"):
+        engine.next_token_logprobs_sync([7, 8])
+    with pytest.raises(ClosedError, match="closed by cleanup"):
+        asyncio.run(engine.sample([7, 8], 2, []))
     second = load_model_by_name(
         path, backend="vllm", llm_opts={"dtype": "float32", "max_model_len": 2048, "engine_opts": ENGINE}
     )
