@@ -7,6 +7,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
+from genlm_core.validation import check_int
+
 
 def _nbytes(value: Any) -> int:
     if hasattr(value, "nbytes"):
@@ -26,8 +28,8 @@ class OutputCache:
     """
 
     def __init__(self, maxsize: int = 1024, max_bytes: int | None = None, move_to_cpu: bool = False):
-        if maxsize < 0 or (max_bytes is not None and max_bytes < 0):
-            raise ValueError("cache bounds must be >= 0")
+        maxsize = check_int(maxsize, "maxsize", 0)
+        max_bytes = None if max_bytes is None else check_int(max_bytes, "max_bytes", 0)
         self.maxsize = maxsize
         self.max_bytes = max_bytes
         self.move_to_cpu = move_to_cpu

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator
 
-from genlm_core.errors import ConfigError
+from genlm_core.errors import ConfigError, OptionsError
 
 
 def _admits_bool(annotation: Any) -> bool:
@@ -31,6 +31,12 @@ class BackendOptions(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise OptionsError(describe_options_error(exc, type(self))) from None
 
     batch_size: PositiveInt = Field(32, description="Most requests computed in one batch.")
     timeout: float = Field(
@@ -57,6 +63,19 @@ class BackendOptions(BaseModel):
             "cache_size": self.cache_size,
             "cache_bytes": self.cache_bytes,
         }
+
+
+def describe_options_error(exc: ValidationError, options: type[BaseModel], backend: str | None = None) -> str:
+    """One line naming every bad option of ``options`` (and the backend), with the known options for a typo."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(options)"
+        if err["type"] == "extra_forbidden":
+            problems.append(f"unknown option {where!r} (known: {', '.join(options.model_fields)})")
+        else:
+            problems.append(f"option {where!r}: {err['msg']} (got {err.get('input')!r})")
+    owner = f"backend {backend!r}" if backend else options.__name__
+    return f"invalid options for {owner}: " + "; ".join(problems)
 
 
 class ModelConfig(BaseModel):

@@ -151,7 +151,7 @@ class AsyncLM(abc.ABC):
 
     async def batch_next_token_logprobs(self, token_ids_list: Iterable[TokenIds]) -> torch.Tensor:
         """Logprobs for several contexts at once, ``[len(token_ids_list), vocab_size]``."""
-        requests = [self.request(ids) for ids in token_ids_list]
+        requests = [self.request(ids) for ids in _iterable(token_ids_list, "token_ids_list")]
         rows = await asyncio.gather(*(self.next_token_logprobs(r.token_ids) for r in requests))
         return self._stack(rows)
 
@@ -160,7 +160,7 @@ class AsyncLM(abc.ABC):
         return self._stack(self._rows_sync(token_ids_list))
 
     def _rows_sync(self, token_ids_list: Iterable[TokenIds]) -> list[torch.Tensor]:
-        requests = [self.request(ids) for ids in token_ids_list]
+        requests = [self.request(ids) for ids in _iterable(token_ids_list, "token_ids_list")]
         found: dict[Request, torch.Tensor] = {}
         todo = []
         for r in requests:

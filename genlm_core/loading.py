@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from genlm_core.config import ModelConfig
+from genlm_core.config import ModelConfig, describe_options_error
 from genlm_core.errors import BackendNotFoundError, ConfigError, OptionsError
 from genlm_core.lm import AsyncLM
 from genlm_core.plugins import get_plugins
@@ -52,15 +52,7 @@ def validate_options(spec: BackendSpec, options: dict[str, Any] | BaseModel | No
     try:
         return spec.options.model_validate(options or {})
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(options)"
-            if err["type"] == "extra_forbidden":
-                known = ", ".join(spec.options.model_fields)
-                problems.append(f"unknown option {where!r} (known: {known})")
-            else:
-                problems.append(f"option {where!r}: {err['msg']} (got {err.get('input')!r})")
-        raise OptionsError(f"invalid options for backend {spec.name!r}: " + "; ".join(problems)) from None
+        raise OptionsError(describe_options_error(exc, spec.options, spec.name)) from None
 
 
 def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str, Any] | None = None) -> AsyncLM:

@@ -12,6 +12,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
+from genlm_core.validation import check_int
+
 
 class PrefixHit(NamedTuple):
     length: int
@@ -33,8 +35,8 @@ class PrefixCache:
     """
 
     def __init__(self, max_entries: int = 4096, max_bytes: int | None = None):
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        self.max_entries = check_int(max_entries, "max_entries", 1)
+        self.max_bytes = None if max_bytes is None else check_int(max_bytes, "max_bytes", 0)
         self.nbytes = 0
         self.hits = 0
         self.misses = 0

@@ -141,6 +141,14 @@ def check_batcher_numbers(batch_size: Any, timeout: Any) -> tuple[int, float]:
     return check_int(batch_size, "batch_size", 1), check_real(timeout, "timeout", 0.0)
 
 
+def check_vocabulary(vocab: Any, name: str = "vocab") -> list[Any]:
+    """A vocabulary (token id ``i`` is ``vocab[i]``) as a list; what is not a sequence is a TypeError.
+    The entries' types are checked where the trie is built."""
+    if isinstance(vocab, (str, bytes, bytearray)) or not isinstance(vocab, Sequence):
+        raise TypeError(f"{name} must be a sequence of byte strings (token id i is {name}[i]), got {_show(vocab)}")
+    return list(vocab)
+
+
 def as_bytes(data: Any, name: str) -> bytes:
     """Bytes from a bytes-like object; a ``str`` is encoded as UTF-8 (so it means the same as its bytes)."""
     if isinstance(data, str):

@@ -24,7 +24,7 @@ from genlm_core.plugins import get_plugins
 from genlm_core.trie.async_trie import stack_rows
 from genlm_core.trie.base import TrieBase
 from genlm_core.trie.index import END
-from genlm_core.validation import as_bytes, check_batcher_numbers
+from genlm_core.validation import as_bytes, check_batcher_numbers, check_token_id_set, check_vocabulary
 
 from .probs import EOS, EOT
 
@@ -113,9 +113,9 @@ class TokenByteTrie:
         atomic_byte_strings: Iterable[bytes] = (),
         **engine_kwargs: Any,
     ):
-        if not len(decode):
+        self.decode = check_vocabulary(decode, "decode")
+        if not self.decode:
             raise ValueError("cannot build a byte trie over an empty vocabulary")
-        self.decode = list(decode)
         self.trie: TrieBase = get_plugins().trie_engine(engine).load()(self.decode, **engine_kwargs)
         index = self.trie.index
         by_bytes: dict[bytes, list[int]] = {}
@@ -130,7 +130,9 @@ class TokenByteTrie:
                 out.update(by_bytes[bytes(s)])
             return out
 
-        self.eos_token_ids = sorted(ids_of(eos_byte_strings, "EOS") | {int(i) for i in eos_token_ids})
+        self.eos_token_ids = sorted(
+            ids_of(eos_byte_strings, "EOS") | check_token_id_set(eos_token_ids, len(self.decode), "eos_token_ids")
+        )
         bad = [i for i in self.eos_token_ids if not 0 <= i < len(self.decode)]
         if bad:
             raise ValueError(f"EOS token ids {bad} are outside the vocabulary [0, {len(self.decode)})")

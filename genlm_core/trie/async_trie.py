@@ -12,7 +12,7 @@ from genlm_core.batching import AutoBatcher, ContentKey
 from genlm_core.errors import ClosedError
 from genlm_core.plugins import get_plugins
 from genlm_core.trie.base import TrieBase
-from genlm_core.validation import check_batcher_numbers
+from genlm_core.validation import check_batcher_numbers, check_vocabulary
 
 
 def stack_rows(rows: list[Any]) -> np.ndarray | torch.Tensor:
@@ -50,6 +50,7 @@ class AsyncTokenCharacterTrie:
         """Build the trie with a registered engine (``numba``/``cpu``/``sequential``,
         ``torch``/``parallel``, or a plugin's) and wrap it."""
         check_batcher_numbers(batch_size, timeout)  # before the (slower) build
+        vocab = check_vocabulary(vocab)
         engine = get_plugins().trie_engine(backend).load()
         return cls(engine(vocab, **engine_kwargs), batch_size=batch_size, timeout=timeout)
 

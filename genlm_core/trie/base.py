@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from genlm_core.trie.index import END, TrieIndex
-from genlm_core.validation import as_bytes
+from genlm_core.validation import as_bytes, check_vocabulary
 
 
 class TrieBase(abc.ABC):
@@ -24,7 +24,7 @@ class TrieBase(abc.ABC):
     root = 0
 
     def __init__(self, decode: Sequence[bytes], index: TrieIndex | None = None):
-        self.decode = list(decode)
+        self.decode = check_vocabulary(decode, "decode")
         self.index = index or TrieIndex.build(self.decode)
         self.num_nodes = self.index.num_nodes
         self.vocab_size = len(self.decode)

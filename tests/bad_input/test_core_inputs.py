@@ -448,3 +448,55 @@ def test_mode_is_checked_on_the_sync_byte_trie():
     with pytest.raises(ValueError, match="mode must be TrieMode"):
         trie.weight_sum(np.ones(V), mode="sideways")
     assert trie.weight_sum(np.ones(V), mode="with_eos")[0][0] == trie.weight_sum(np.ones(V), TrieMode.WITH_EOS)[0][0]
+
+
+# ---- constructors -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: TokenByteTrie(VOCAB, eos_token_ids=[1.5]), "eos_token_ids entry must be an integer, got 1.5"),
+        (lambda: TokenByteTrie(VOCAB, eos_token_ids=1), "eos_token_ids must be an iterable"),
+        (lambda: TokenByteTrie(VOCAB, eos_token_ids=[V]), f"eos_token_ids entry {V} is outside"),
+        (lambda: TokenByteTrie(None), "decode must be a sequence of byte strings"),
+        (lambda: TokenCharacterTrie(b"abc"), "decode must be a sequence of byte strings"),
+        (lambda: AsyncTokenCharacterTrie.from_vocab(None), "vocab must be a sequence of byte strings"),
+    ],
+)
+def test_trie_constructors_check_their_arguments(make, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        make()
+
+
+def test_eos_ids_are_not_truncated():
+    """``eos_token_ids=[1.5]`` used to make token 1 the EOS."""
+    assert TokenByteTrie(VOCAB, eos_token_ids=[np.int64(1)]).eos_token_ids == [1]
+
+
+@pytest.mark.parametrize("size", [-1, 1.5, True, None])
+def test_cache_bounds_are_checked(size):
+    from genlm_core import OutputCache
+    from genlm_core.prefix_cache import PrefixCache
+
+    with pytest.raises((TypeError, ValueError), match="maxsize"):
+        OutputCache(size)
+    with pytest.raises((TypeError, ValueError), match="max_entries"):
+        PrefixCache(size)
+
+
+def test_options_built_directly_raise_options_errors_naming_the_option():
+    from genlm_mock import MockAsyncLM
+
+    with pytest.raises(OptionsError, match=r"invalid options for MockOptions: option 'batch_size'"):
+        MockAsyncLM.from_name("gpt2", batch_size=1.5)
+    with pytest.raises(OptionsError, match=r"unknown option 'sead' \(known: batch_size"):
+        MockAsyncLM.from_name("gpt2", sead=1)
+
+
+@pytest.mark.parametrize("bad", [5, None, "ab"])
+def test_batch_entry_points_need_a_list_of_contexts(toy_lm, bad):
+    with pytest.raises(TypeError, match="token_ids_list must be an iterable of token id sequences"):
+        toy_lm.batch_next_token_logprobs_sync(bad)
+    with pytest.raises(TypeError, match="token_ids_list must be an iterable of token id sequences"):
+        asyncio.run(toy_lm.batch_next_token_logprobs(bad))
