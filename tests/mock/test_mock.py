@@ -67,7 +67,7 @@ async def test_vocab_padding_and_delay(gpt2):
 def test_options_are_validated():
     with pytest.raises(ValueError, match="scale"):
         MockOptions(scale=-1)
-    with pytest.raises(ValueError, match="unknown option .sead. \\(known: batch_size"):
+    with pytest.raises(ValueError, match=r"unknown option .sead. \(known: batch_size"):
         MockOptions(sead=1)
 
 
