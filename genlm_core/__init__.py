@@ -11,6 +11,7 @@ from genlm_core.errors import (
     GenlmError,
     OptionsError,
     PluginConflictError,
+    PluginError,
     VocabDecodingError,
 )
 from genlm_core.hookspecs import hookimpl
@@ -36,6 +37,7 @@ __all__ = [
     "OptionsError",
     "OutputCache",
     "PluginConflictError",
+    "PluginError",
     "Register",
     "Request",
     "Token",

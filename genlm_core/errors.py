@@ -15,6 +15,11 @@ class PluginConflictError(GenlmError):
     """Two plugins registered the same name."""
 
 
+class PluginError(GenlmError):
+    """A plugin is broken: a hook that matches no spec or has a bad signature, a name already taken,
+    or a factory that does not resolve. Discovery records these as failures instead of raising."""
+
+
 class OptionsError(GenlmError, ValueError):
     """Backend options failed validation (unknown option, wrong type)."""
 

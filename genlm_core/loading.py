@@ -65,8 +65,9 @@ def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str
         raise TypeError(f"backend must be a backend name (str) or None, got {backend!r}")
     spec = get_plugins().backend(backend or default_backend())
     options = validate_options(spec, llm_opts)
+    _, factory = get_plugins().load_backend(spec.name)
     log.info("loading %r with backend %r", name, spec.name)
-    lm = spec.load()(name, options)
+    lm = factory(name, options)
     if not isinstance(lm, AsyncLM):
         raise TypeError(f"backend {spec.name!r} (plugin {spec.plugin!r}) returned {type(lm).__name__}, not an AsyncLM")
     return lm

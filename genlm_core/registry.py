@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,13 +120,40 @@ class Registry:
         return spec
 
 
+def reference_problem(ref: Factory, what: str) -> str | None:
+    """Why a lazy ``"module:attr"`` reference cannot resolve, found without importing anything
+    heavy (only whether its top-level module exists); None if it looks resolvable."""
+    if not isinstance(ref, str):
+        return None if callable(ref) else f"{what} must be a callable or a 'module:attr' string, got {ref!r}"
+    module_name, sep, attr_path = ref.partition(":")
+    if not sep or not module_name or not attr_path:
+        return f"{what} {ref!r} must look like 'package.module:attr'"
+    top = module_name.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else f"{what} {ref!r} does not resolve: no module named {top!r}"
+
+
 class Register:
-    """The object every hook receives: records what one plugin provides, tagged with its name."""
+    """The object every hook receives: records what one plugin provides, tagged with its name.
+
+    A component whose factory cannot resolve is not registered; the problem is kept in
+    :attr:`problems` (discovery reports it as a failure of this plugin) and the others go on.
+    """
 
     def __init__(self, registry: Registry, plugin: str, distribution: str | None = None):
         self._registry = registry
         self.plugin = plugin
         self.distribution = distribution
+        self.problems: list[str] = []
+
+    def _valid(self, kind: str, name: str, factory: Factory) -> bool:
+        problem = reference_problem(factory, f"{kind} {name!r}: factory")
+        if problem is not None:
+            self.problems.append(problem)
+        return problem is None
 
     def backend(
         self,
@@ -141,8 +169,11 @@ class Register:
         pydantic model that validates its options (use ``extra="forbid"``)."""
         if not (isinstance(options, type) and issubclass(options, BaseModel)):
             raise TypeError(f"backend {name!r}: options must be a pydantic model class, got {options!r}")
-        spec = BackendSpec(name, factory, self.plugin, self.distribution, tuple(aliases), description, check, options)
-        self._registry.add("backend", spec)
+        if self._valid("backend", name, factory):
+            spec = BackendSpec(
+                name, factory, self.plugin, self.distribution, tuple(aliases), description, check, options
+            )
+            self._registry.add("backend", spec)
 
     def trie_engine(
         self,
@@ -154,5 +185,6 @@ class Register:
         check: Check = None,
     ) -> None:
         """Provide a trie engine; ``factory(vocab, **kwargs)`` builds it."""
-        spec = TrieEngineSpec(name, factory, self.plugin, self.distribution, tuple(aliases), description, check)
-        self._registry.add("trie engine", spec)
+        if self._valid("trie engine", name, factory):
+            spec = TrieEngineSpec(name, factory, self.plugin, self.distribution, tuple(aliases), description, check)
+            self._registry.add("trie engine", spec)

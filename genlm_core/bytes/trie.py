@@ -116,7 +116,7 @@ class TokenByteTrie:
         self.decode = check_vocabulary(decode, "decode")
         if not self.decode:
             raise ValueError("cannot build a byte trie over an empty vocabulary")
-        self.trie: TrieBase = get_plugins().trie_engine(engine).load()(self.decode, **engine_kwargs)
+        self.trie: TrieBase = get_plugins().load_trie_engine(engine)(self.decode, **engine_kwargs)
         index = self.trie.index
         by_bytes: dict[bytes, list[int]] = {}
         for i, t in enumerate(self.decode):

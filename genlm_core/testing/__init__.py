@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,11 +13,16 @@ import torch
 from genlm_core.lm import AsyncLM
 from genlm_core.plugins import get_plugins
 
+_unnamed = itertools.count(1)
+
 
 @contextlib.contextmanager
 def registered(plugin: Any, name: str | None = None) -> Iterator[Any]:
-    """Register ``plugin`` (an object with ``@hookimpl`` methods) for the duration of a block."""
+    """Register ``plugin`` (an object with ``@hookimpl`` methods) for the duration of a block,
+    as ``name`` (default: its class or module name and a number)."""
     plugins = get_plugins()
+    if name is None:
+        name = f"{getattr(plugin, '__name__', None) or type(plugin).__name__}-{next(_unnamed)}"
     plugins.register(plugin, name)
     try:
         yield plugin

@@ -51,7 +51,7 @@ class AsyncTokenCharacterTrie:
         ``torch``/``parallel``, or a plugin's) and wrap it."""
         check_batcher_numbers(batch_size, timeout)  # before the (slower) build
         vocab = check_vocabulary(vocab)
-        engine = get_plugins().trie_engine(backend).load()
+        engine = get_plugins().load_trie_engine(backend)
         return cls(engine(vocab, **engine_kwargs), batch_size=batch_size, timeout=timeout)
 
     def _process(self, items: list[tuple[str, Any]]) -> list[np.ndarray]:

@@ -14,6 +14,7 @@ from genlm_core import (
     ModelConfig,
     OptionsError,
     PluginConflictError,
+    PluginError,
     get_plugins,
     hookimpl,
     load_model,
@@ -193,13 +194,113 @@ def test_lazy_factory_is_imported_only_on_use(fresh_plugins):
     class Lazy:
         @hookimpl
         def register_backends(self, register):
-            register.backend("lazy", "genlm_nonexistent_module:Factory", check="genlm_nonexistent_module:check")
+            register.backend("lazy", "genlm_core.testing:no_such_factory", check="genlm_core.testing:no_such_check")
 
-    with registered(Lazy()):
+    with registered(Lazy(), "lazy-plugin"):
         spec = get_plugins().backend("lazy")  # listing does not import it
-        assert "ModuleNotFoundError" in spec.unavailable_reason()
-        with pytest.raises(ModuleNotFoundError):
+        assert "AttributeError" in spec.unavailable_reason()
+        with pytest.raises(PluginError, match=r"plugin 'lazy-plugin'.*'genlm_core.testing:no_such_factory'.*resolve"):
             load_model_by_name("m", backend="lazy")
+        (failure,) = get_plugins().failures
+        assert failure.plugin == "lazy-plugin" and "no_such_factory" in failure.error
+
+
+def entry_point_plugins(monkeypatch, *specs):
+    """A Plugins over fake entry points: each spec is (entry point name, distribution, module or None)."""
+    eps = []
+    for name, dist, module in specs:
+        module_name = f"fake_genlm_{name}_{dist}".replace("-", "_")
+        if module is not None:
+            monkeypatch.setitem(sys.modules, module_name, module)
+        eps.append(FakeEntryPoint(name, module_name, dist))
+    monkeypatch.delenv("GENLM_PLUGINS", raising=False)
+    return Plugins(entry_points=lambda group=None: eps)
+
+
+def backend_module(name, toy_tok, **extra):
+    plugin = ThirdPartyPlugin(toy_tok, name=name)
+    return fake_module(
+        f"m_{name}", register_backends=hookimpl(lambda register: plugin.register_backends(register)), **extra
+    )
+
+
+def test_name_collision_names_both_distributions_and_the_rest_still_load(monkeypatch, toy_tok):
+    plugins = entry_point_plugins(
+        monkeypatch,
+        ("dup", "genlm-first", backend_module("first", toy_tok)),
+        ("dup", "genlm-second", backend_module("second", toy_tok)),
+        ("third", "genlm-third", backend_module("third", toy_tok)),
+    )
+    assert set(plugins.backends()) == {"first", "third"}
+    (failure,) = plugins.failures
+    assert failure.distribution == "genlm-second"
+    assert "name collision" in failure.error and "genlm-first" in failure.error and "genlm-second" in failure.error
+    assert plugins.failures == [failure]  # asked again: the same answer, no partial registry
+
+
+def test_misspelled_hook_is_a_failure_not_silence(monkeypatch, toy_tok):
+    typo = fake_module("typo", register_backend=hookimpl(lambda register: None))
+    plugins = entry_point_plugins(
+        monkeypatch, ("typo", "genlm-typo", typo), ("good", "genlm-good", backend_module("good", toy_tok))
+    )
+    assert set(plugins.backends()) == {"good"}
+    (failure,) = plugins.failures
+    assert failure.distribution == "genlm-typo"
+    assert "'register_backend' (did you mean 'register_backends'?) matches no genlm hook" in failure.error
+
+
+def test_bad_hook_signature_is_a_failure(monkeypatch, toy_tok):
+    wrong = fake_module("wrong", register_backends=hookimpl(lambda registry: None))
+    plugins = entry_point_plugins(
+        monkeypatch, ("wrong", "genlm-wrong", wrong), ("good", "genlm-good", backend_module("good", toy_tok))
+    )
+    assert set(plugins.backends()) == {"good"}
+    (failure,) = plugins.failures
+    assert failure.distribution == "genlm-wrong" and "invalid hook" in failure.error and "registry" in failure.error
+
+
+def test_factory_string_that_cannot_resolve_is_a_failure_and_other_backends_register(monkeypatch):
+    def hook(register):
+        register.backend("missing", "genlm_no_such_package.model:load")
+        register.backend("malformed", "no colon here")
+        register.backend("fine", "genlm_core.testing:check_lm_contract")
+
+    plugins = entry_point_plugins(
+        monkeypatch, ("multi", "genlm-multi", fake_module("multi", register_backends=hookimpl(hook)))
+    )
+    assert set(plugins.backends()) == {"fine"}
+    errors = sorted(f.error for f in plugins.failures)
+    assert all(f.distribution == "genlm-multi" for f in plugins.failures)
+    assert "'malformed': factory 'no colon here' must look like 'package.module:attr'" in errors[0]
+    assert "no module named 'genlm_no_such_package'" in errors[1]
+
+
+def test_import_failure_is_recorded_and_discovery_can_be_retried(monkeypatch, toy_tok):
+    plugins = entry_point_plugins(monkeypatch, ("late", "genlm-late", None))  # module not importable yet
+    assert "late" not in plugins.backends()
+    (failure,) = plugins.failures
+    assert "import failed: ModuleNotFoundError" in failure.error
+    with pytest.raises(BackendNotFoundError, match=r"its plugin failed: late \(genlm-late\): import failed"):
+        plugins.backend("late")
+    monkeypatch.setitem(sys.modules, "fake_genlm_late_genlm_late", backend_module("late", toy_tok))
+    plugins.discover(retry=True)
+    assert "late" in plugins.backends() and plugins.failures == []
+
+
+def test_listing_entry_points_failing_is_recorded(monkeypatch):
+    def broken(group=None):
+        raise OSError("metadata unreadable")
+
+    plugins = Plugins(entry_points=broken)
+    assert {"numba", "torch"} <= set(plugins.trie_engines())  # built-ins still there
+    assert "metadata unreadable" in plugins.failures[0].error
+
+
+def test_explicit_registration_refuses_broken_plugins(fresh_plugins):
+    typo = fake_module("typo", register_backend=hookimpl(lambda register: None))
+    with pytest.raises(PluginError, match="did you mean 'register_backends'"):
+        fresh_plugins.register(typo, "typo")
+    assert fresh_plugins.manager.get_plugin("typo") is None
 
 
 def test_installed_mock_plugin_is_discovered():
