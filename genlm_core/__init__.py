@@ -19,7 +19,7 @@ from genlm_core.lm import AsyncLM, LoRASelection, Request, logits_to_logprobs
 from genlm_core.loading import default_backend, load_model, load_model_by_name
 from genlm_core.plugins import get_plugins
 from genlm_core.registry import Register
-from genlm_core.tokenization import Token, decode_vocab, decode_vocabulary
+from genlm_core.tokenization import Token, Tokenizer, decode_vocab, decode_vocabulary
 
 __all__ = [
     "AsyncLM",
@@ -41,6 +41,7 @@ __all__ = [
     "Register",
     "Request",
     "Token",
+    "Tokenizer",
     "VocabDecodingError",
     "decode_vocab",
     "decode_vocabulary",

@@ -55,15 +55,6 @@ class BackendOptions(BaseModel):
                 raise ValueError(f"expected a number, got the bool {value!r}")
         return value
 
-    def lm_kwargs(self) -> dict[str, Any]:
-        """The :class:`~genlm_core.AsyncLM` keyword arguments these options set (batching, output cache)."""
-        return {
-            "batch_size": self.batch_size,
-            "timeout": self.timeout,
-            "cache_size": self.cache_size,
-            "cache_bytes": self.cache_bytes,
-        }
-
 
 def describe_options_error(exc: ValidationError, options: type[BaseModel], backend: str | None = None) -> str:
     """One line naming every bad option of ``options`` (and the backend), with the known options for a typo."""

@@ -13,13 +13,38 @@ at the last position. Real positions are explicit and a mask hides every pad, so
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from pydantic import Field, PositiveInt
 
+from genlm_core.config import BackendOptions
 from genlm_core.prefix_cache import PrefixCache
+
+
+def default_kv_cache_bytes() -> int:
+    """At most 4 GiB, and at most a sixth of this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 * 2**30
+    return int(min(4 * 2**30, total // 6))
+
+
+class KVReuseOptions(BackendOptions):
+    """Options of every backend built on :class:`KVReuse` (the hf and mlx backends inherit them)."""
+
+    kv_cache_bytes: int | None = Field(
+        default_factory=default_kv_cache_bytes,
+        ge=0,
+        description="Most bytes of KV states kept for reuse (None: no limit). Default: min(4 GiB, RAM / 6).",
+    )
+    kv_cache_entries: PositiveInt = Field(4096, description="Most token sequences whose KV states are kept.")
+    reuse_kv: bool = Field(True, description="Reuse KV states of cached prefixes automatically.")
+    prefill_chunk_size: PositiveInt = Field(2048, description="Longest stretch of new tokens run in one forward pass.")
 
 
 class KVBlock:
@@ -112,10 +137,12 @@ class KVReuse(abc.ABC):
     forward_calls: int
     tokens_computed: int
 
-    def init_kv_reuse(self, max_entries: int, max_bytes: int | None, reuse: bool, chunk: int) -> None:
-        self.kv = PrefixCache(max_entries, max_bytes)
-        self.reuse_kv = reuse
-        self.prefill_chunk_size = chunk
+    def init_kv_reuse(self, options: KVReuseOptions, reuse: bool | None = None) -> None:
+        """Set up the KV cache from ``options``; ``reuse`` overrides ``options.reuse_kv`` (a backend
+        turns reuse off for models whose cache cannot be extended)."""
+        self.kv = PrefixCache(options.kv_cache_entries, options.kv_cache_bytes)
+        self.reuse_kv = options.reuse_kv if reuse is None else reuse
+        self.prefill_chunk_size = options.prefill_chunk_size
         self.forward_calls = 0  # forward passes run
         self.tokens_computed = 0  # real (non-pad) tokens those passes computed
 

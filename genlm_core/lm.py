@@ -13,15 +13,16 @@ import gc
 import random
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Self
 
 import numpy as np
 import torch
 
 from genlm_core.batching import AutoBatcher, Failed
 from genlm_core.cache import OutputCache
+from genlm_core.config import BackendOptions
 from genlm_core.errors import ClosedError
-from genlm_core.tokenization import Token, decode_vocabulary
+from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
 from genlm_core.validation import (
     check_int,
     check_seed,
@@ -69,17 +70,24 @@ class AsyncLM(abc.ABC):
     #: A backend whose model cannot go past a length (learned absolute positions) sets it.
     context_limit: int | None = None
 
+    #: The backend's options model: :meth:`from_name` keywords and constructor keywords are
+    #: validated by it. A backend sets its own :class:`~genlm_core.BackendOptions` subclass.
+    Options: ClassVar[type[BackendOptions]] = BackendOptions
+
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
+        options: BackendOptions | None = None,
         *,
-        batch_size: int = 32,
-        timeout: float = 0.02,
-        cache_size: int = 1024,
-        cache_bytes: int | None = 512 * 2**20,
         cache_to_cpu: bool = False,
         run_in_thread: bool = True,
+        **option_values: Any,
     ):
+        """``options``: validated options (an instance of :attr:`Options`), or give them as keywords
+        (``batch_size=64, timeout=0.0, ...``), validated here. Either way they are ``self.options``."""
+        self.options = self.make_options(options, option_values)
+        batch_size, timeout = self.options.batch_size, self.options.timeout
+        cache_size, cache_bytes = self.options.cache_size, self.options.cache_bytes
         self.tokenizer = tokenizer
         vocab = decode_vocabulary(tokenizer)
         self.byte_vocab: list[Token] = vocab.byte_vocab
@@ -88,11 +96,39 @@ class AsyncLM(abc.ABC):
         self._missing_ids = torch.tensor(vocab.missing_ids, dtype=torch.long) if vocab.missing_ids else None
         self.cache = OutputCache(cache_size, cache_bytes, move_to_cpu=cache_to_cpu)
         self.batcher: AutoBatcher[Request, torch.Tensor] = AutoBatcher(
-            self._compute, batch_size=batch_size, timeout=timeout, run_in_thread=run_in_thread, name=type(self).__name__
+            self.compute_rows,
+            batch_size=batch_size,
+            timeout=timeout,
+            run_in_thread=run_in_thread,
+            name=type(self).__name__,
         )
-        # Serialises model work: the batcher's thread and synchronous callers never overlap.
-        self._compute_lock = threading.RLock()
+        #: Serialises model work: the batcher's thread, synchronous callers and a backend's own
+        #: engine calls (sampling, adapter loading) never overlap. Reentrant.
+        self.model_lock = threading.RLock()
         self._closed = False
+
+    @classmethod
+    def make_options(cls, options: BackendOptions | None, values: dict[str, Any]) -> Any:
+        """``options`` if given (then no keyword options may be), else ``cls.Options(**values)``;
+        raises OptionsError naming a bad option."""
+        if options is None:
+            return cls.Options(**values)
+        if values:
+            raise TypeError(f"{cls.__name__}: give options or keyword options, not both (got {sorted(values)})")
+        if not isinstance(options, cls.Options):
+            raise TypeError(f"{cls.__name__}: options must be {cls.Options.__name__}, got {type(options).__name__}")
+        return options
+
+    @classmethod
+    def from_name(cls, model_name: str, **option_values: Any) -> Self:
+        """Load ``model_name`` with options given as keywords (validated by :attr:`Options`)."""
+        return cls.from_options(model_name, cls.Options(**option_values))
+
+    @classmethod
+    def from_options(cls, model_name: str, options: Any) -> Self:
+        """Load ``model_name`` with validated options: the factory a backend registers
+        (``"package.module:Class.from_options"``). Every backend implements it."""
+        raise NotImplementedError(f"{cls.__name__} does not implement from_options")
 
     # ---- what a backend implements ---------------------------------------------------------
 
@@ -171,7 +207,7 @@ class AsyncLM(abc.ABC):
         size = self.batcher.batch_size
         for start in range(0, len(todo), size):
             chunk = todo[start : start + size]
-            for r, row in zip(chunk, self._compute(chunk)):
+            for r, row in zip(chunk, self.compute_rows(chunk)):
                 if isinstance(row, Failed):
                     raise row.error
                 found[r] = row
@@ -182,9 +218,11 @@ class AsyncLM(abc.ABC):
             return torch.empty((0, self.vocab_size), dtype=torch.float32)
         return torch.stack(rows)
 
-    def _compute(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
-        """Run the backend on distinct requests; normalise, check and cache each row."""
-        with self._compute_lock:
+    def compute_rows(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
+        """Run :meth:`forward_batch` on distinct, validated requests (from :meth:`request`), under
+        :attr:`model_lock`; normalise, check and cache each row. One row, or a :class:`Failed`, per
+        request. The batcher calls it; a backend may too (e.g. to fill the cache ahead of time)."""
+        with self.model_lock:
             out = self.forward_batch(requests)
         logits = out if isinstance(out, torch.Tensor) else torch.stack(list(out))
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -275,7 +313,7 @@ class AsyncLM(abc.ABC):
     def clear_cache(self) -> None:
         """Forget every cached output and backend cache."""
         self.ensure_open()
-        with self._compute_lock:
+        with self.model_lock:
             self.cache.clear()
             self.clear_backend_cache()
 
@@ -286,7 +324,7 @@ class AsyncLM(abc.ABC):
             return
         self._closed = True
         self.batcher.close()
-        with self._compute_lock:
+        with self.model_lock:
             self.cache.clear()
             self.clear_backend_cache()
             self.close_backend()

@@ -14,6 +14,7 @@ import re
 from typing import Any, NamedTuple
 
 from genlm_core.errors import VocabDecodingError
+from genlm_core.tokenization.protocol import Tokenizer
 from genlm_core.tokenization.token import Token
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ def _backend(tokenizer: Any) -> Any:
     return backend
 
 
-def decode_vocabulary(tokenizer: Any, *, check: bool = True) -> Vocabulary:
+def decode_vocabulary(tokenizer: Tokenizer, *, check: bool = True) -> Vocabulary:
     """Decode every token id of ``tokenizer`` to its exact bytes (see module docstring).
 
     ``check`` runs a round trip on :data:`PROBE_TEXT` and raises if the bytes do not reproduce it.
@@ -134,7 +135,7 @@ def decode_vocabulary(tokenizer: Any, *, check: bool = True) -> Vocabulary:
     return Vocabulary(byte_vocab, str_vocab, missing)
 
 
-def decode_vocab(tokenizer: Any, *, check: bool = True) -> tuple[list[Token], list[str]]:
+def decode_vocab(tokenizer: Tokenizer, *, check: bool = True) -> tuple[list[Token], list[str]]:
     """``(byte_vocab, str_vocab)`` of ``tokenizer``: ``byte_vocab[i]`` is the exact bytes of id ``i``.
 
     >>> from genlm_core.testing.tokenizers import toy_tokenizer
@@ -149,14 +150,14 @@ def decode_vocab(tokenizer: Any, *, check: bool = True) -> tuple[list[Token], li
     return vocab.byte_vocab, vocab.str_vocab
 
 
-def encode_ids(tokenizer: Any, text: str) -> list[int]:
+def encode_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens, for transformers and bare tokenizers alike."""
     if hasattr(tokenizer, "backend_tokenizer") or not hasattr(tokenizer, "to_str"):
         return list(tokenizer.encode(text, add_special_tokens=False))
     return list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _check_round_trip(tokenizer: Any, name: str, byte_vocab: list[Token]) -> None:
+def _check_round_trip(tokenizer: Tokenizer, name: str, byte_vocab: list[Token]) -> None:
     expected = PROBE_TEXT.encode("utf-8")
     ids = encode_ids(tokenizer, PROBE_TEXT)
     got = b"".join(byte_vocab[i] for i in ids)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from genlm_core import AsyncLM, LoRASelection, Request
+from genlm_core import AsyncLM, LoRASelection, Request, Tokenizer
 from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_hf.options import HFOptions
 
@@ -82,10 +82,12 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     ``model`` and ``tokenizer`` directly.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, options: HFOptions | None = None, **kwargs: Any):
-        self.options = options or HFOptions(**kwargs)
+    Options = HFOptions
+    options: HFOptions
+
+    def __init__(self, model: Any, tokenizer: Tokenizer, options: HFOptions | None = None, **kwargs: Any):
+        super().__init__(tokenizer, options, **kwargs)
         o = self.options
-        super().__init__(tokenizer, **o.lm_kwargs())
         self.model = model.eval()
         self.device = model.get_input_embeddings().weight.device
         self.context_limit = position_limit(model)
@@ -94,7 +96,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             log.warning(
                 "%s: KV reuse disabled (%s); every request is computed from scratch", type(model).__name__, problem
             )
-        self.init_kv_reuse(o.kv_cache_entries, o.kv_cache_bytes, o.reuse_kv and problem is None, o.prefill_chunk_size)
+        self.init_kv_reuse(o, o.reuse_kv and problem is None)
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         for name, path in o.lora.items():
             self.load_lora(path, name)
@@ -199,7 +201,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         """Run ``prompt_tokens`` now so that later requests extending it start from its KV states."""
         request = self.request(prompt_tokens)
         if self.cache.get(request) is None:
-            self._compute([request])
+            self.compute_rows([request])
 
     def close_backend(self) -> None:
         self.model = None
@@ -213,7 +215,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             from peft import PeftModel
         except ImportError:
             raise ImportError("LoRA needs peft: `pip install 'genlm-hf[lora]'`") from None
-        with self._compute_lock:
+        with self.model_lock:
             if isinstance(self.model, PeftModel):
                 self.model.load_adapter(path, adapter_name=name)
             else:

@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field
 
-from genlm_core.config import BackendOptions
-
-
-def default_kv_cache_bytes() -> int:
-    """At most 4 GiB, and at most a sixth of this machine's memory."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 16 * 2**30
-    return int(min(4 * 2**30, total // 6))
+from genlm_core.kv_reuse import KVReuseOptions
 
 
-class HFOptions(BackendOptions):
-    """Options of the ``hf`` backend (transformers)."""
+class HFOptions(KVReuseOptions):
+    """Options of the ``hf`` backend (transformers); the KV-reuse options are core's."""
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight dtype; 'auto' is float32 on CPU and the checkpoint's dtype on CUDA."
@@ -31,14 +21,6 @@ class HFOptions(BackendOptions):
     device_map: str | dict[str, Any] | None = Field(
         None, description="accelerate device_map (e.g. 'auto'); overrides device."
     )
-    kv_cache_bytes: int | None = Field(
-        default_factory=default_kv_cache_bytes,
-        ge=0,
-        description="Most bytes of KV states kept for reuse (None: no limit).",
-    )
-    kv_cache_entries: PositiveInt = Field(4096, description="Most token sequences whose KV states are kept.")
-    reuse_kv: bool = Field(True, description="Reuse KV states of cached prefixes automatically.")
-    prefill_chunk_size: PositiveInt = Field(2048, description="Longest stretch of new tokens run in one forward pass.")
     load_in_8bit: bool = Field(
         False, description="bitsandbytes 8-bit weights (needs genlm-hf[quant] and usually CUDA)."
     )

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from genlm_core import AsyncLM, Request
+from genlm_core import AsyncLM, Request, Tokenizer
 from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_mlx.options import MLXOptions
 
@@ -73,10 +73,11 @@ def normalise_config(path: Path) -> dict[str, Any]:
 class AsyncMlxLM(KVReuse, AsyncLM):
     """An mlx-lm causal LM: batched, exact next-token logprobs with automatic KV reuse."""
 
-    def __init__(self, model: Any, tokenizer: Any, options: MLXOptions | None = None, **kwargs: Any):
-        self.options = options or MLXOptions(**kwargs)
-        o = self.options
-        super().__init__(tokenizer, **o.lm_kwargs())
+    Options = MLXOptions
+    options: MLXOptions
+
+    def __init__(self, model: Any, tokenizer: Tokenizer, options: MLXOptions | None = None, **kwargs: Any):
+        super().__init__(tokenizer, options, **kwargs)
         self.model = model
         args = getattr(model, "args", None)
         model_type = getattr(args, "model_type", type(model).__module__.rsplit(".", 1)[-1])
@@ -85,16 +86,12 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         if not self.planned:  # rotating (sliding-window) or unvetted caches: exact, one request at a time
             reason = "sliding-window layers" if sliding else f"model type {model_type!r}"
             log.warning("mlx %s: KV reuse and batching disabled; every request is computed alone", reason)
-        self.init_kv_reuse(o.kv_cache_entries, o.kv_cache_bytes, o.reuse_kv and self.planned, o.prefill_chunk_size)
-
-    @classmethod
-    def from_name(cls, model_path: str, **kwargs: Any) -> AsyncMlxLM:
-        """Load a local mlx-lm / Hugging Face folder with :class:`MLXOptions` given as keywords."""
-        return cls.from_options(model_path, MLXOptions(**kwargs))
+        self.init_kv_reuse(self.options, self.options.reuse_kv and self.planned)
 
     @classmethod
     def from_options(cls, model_path: str, options: MLXOptions) -> AsyncMlxLM:
-        """The registry factory."""
+        """Load a local mlx-lm / Hugging Face folder (the registry factory; ``from_name`` takes the
+        options as keywords)."""
         import mlx_lm
 
         config = {**normalise_config(Path(model_path)), **options.model_config_overrides}

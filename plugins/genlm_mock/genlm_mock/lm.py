@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlm_core import AsyncLM, Request
+from genlm_core import AsyncLM, Request, Tokenizer
 from genlm_mock.options import MockOptions
 
 
@@ -40,20 +40,17 @@ class MockAsyncLM(AsyncLM):
     of them), so tests can observe batching.
     """
 
-    def __init__(self, tokenizer: Any, options: MockOptions | None = None, **kwargs: Any):
-        self.options = options or MockOptions(**kwargs)
-        o = self.options
-        super().__init__(tokenizer, **o.lm_kwargs())
-        self.batches: deque[list[Request]] = deque(maxlen=o.keep_batches)
+    Options = MockOptions
+    options: MockOptions
 
-    @classmethod
-    def from_name(cls, model_name: str, **kwargs: Any) -> MockAsyncLM:
-        """Mock model over the tokenizer ``model_name`` (see :func:`load_tokenizer`)."""
-        return cls(load_tokenizer(model_name), MockOptions(**kwargs))
+    def __init__(self, tokenizer: Tokenizer, options: MockOptions | None = None, **kwargs: Any):
+        super().__init__(tokenizer, options, **kwargs)
+        self.batches: deque[list[Request]] = deque(maxlen=self.options.keep_batches)
 
     @classmethod
     def from_options(cls, model_name: str, options: MockOptions) -> MockAsyncLM:
-        """The registry factory: options already validated."""
+        """Mock model over the tokenizer ``model_name`` (see :func:`load_tokenizer`); the registry
+        factory (``from_name`` takes the options as keywords)."""
         return cls(load_tokenizer(model_name), options)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from genlm_core import AsyncLM, AutoBatcher, LoRASelection, Request
+from genlm_core import AsyncLM, AutoBatcher, LoRASelection, Request, Tokenizer
 from genlm_vllm.options import VLLMOptions
 from genlm_vllm.plugin import INSTALL
 
@@ -58,10 +58,12 @@ def _hidden_from_vllm_kernel_scan() -> Iterator[None]:
 class AsyncVirtualLM(LoRASelection, AsyncLM):
     """A vLLM engine: batched, exact full-vocabulary next-token logprobs; batched sampling."""
 
-    def __init__(self, llm: Any, tokenizer: Any, options: VLLMOptions | None = None, **kwargs: Any):
-        self.options = options or VLLMOptions(**kwargs)
+    Options = VLLMOptions
+    options: VLLMOptions
+
+    def __init__(self, llm: Any, tokenizer: Tokenizer, options: VLLMOptions | None = None, **kwargs: Any):
+        super().__init__(tokenizer, options, **kwargs)
         o = self.options
-        super().__init__(tokenizer, **o.lm_kwargs())
         self.llm = llm
         self.sampler: AutoBatcher[tuple[Any, ...], list[int]] = AutoBatcher(
             self._sample_batch, batch_size=o.batch_size, timeout=o.timeout, run_in_thread=True, name="vllm-sample"
@@ -150,7 +152,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
             )
             for _, max_tokens, eos, temperature, seed in items
         ]
-        with self._compute_lock:
+        with self.model_lock:
             outputs = self._generate([r.token_ids for r, *_ in items], params, [r.adapter for r, *_ in items])
         return [list(out.outputs[0].token_ids) for out in outputs]
 
