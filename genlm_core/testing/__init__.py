@@ -45,15 +45,24 @@ def max_abs_diff(rows: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -
 
 
 def check_lm_contract(
-    lm: AsyncLM, contexts: Sequence[Sequence[int]], atol: float = 1e-5, bad_input: bool = True
+    lm: AsyncLM,
+    contexts: Sequence[Sequence[int]],
+    atol: float = 1e-5,
+    bad_input: bool = True,
+    close: bool = False,
 ) -> None:
-    """Assert the AsyncLM protocol contract on ``contexts``; raises AssertionError naming what broke.
+    """Assert the whole AsyncLM protocol on ``contexts``; raises AssertionError naming what broke.
 
-    Each vector is 1-D float32 of length ``len(byte_vocab)`` and normalised; the async, sync,
-    batched and concurrent paths agree within ``atol``. With ``bad_input``, bad contexts and
-    sampling arguments must each raise TypeError/ValueError without a hang, cancelled requests
-    must not disturb others, and the model must answer as before afterwards
-    (:func:`genlm_core.testing.bad_input.check_rejects_bad_input`).
+    - rows: 1-D float32 of length ``len(byte_vocab)``, normalised; the sync, sync-batched,
+      async-batched and concurrent paths agree within ``atol``, and concurrent requests are batched;
+    - the output cache: a repeated request is answered from it, and equally after ``clear_cache``;
+    - sampling: greedy follows the argmax, a seed reproduces, ``max_tokens`` and EOS stop it, and
+      ``batch_sample`` gives one valid continuation per prompt;
+    - with ``bad_input``: bad contexts and sampling arguments raise TypeError/ValueError without a
+      hang, cancelled requests do not disturb others, the model answers as before
+      (:func:`genlm_core.testing.bad_input.check_rejects_bad_input`);
+    - with ``close`` (it closes ``lm``): ``cleanup()`` twice is fine and every call afterwards raises
+      :class:`~genlm_core.errors.ClosedError`.
     """
     lm.clear_cache()
     singles = [lm.next_token_logprobs_sync(c) for c in contexts]
@@ -69,13 +78,71 @@ def check_lm_contract(
         return await lm.batch_next_token_logprobs(contexts)
 
     lm.clear_cache()
+    batches_before = lm.batcher.stats.batches
     gathered = asyncio.run(concurrent())
+    distinct = len({tuple(c) for c in contexts})
+    batches = lm.batcher.stats.batches - batches_before
+    assert batches <= -(-distinct // lm.batcher.batch_size) + 1, (
+        f"{distinct} concurrent requests took {batches} batches"
+    )
     for name, rows in (("sync batch", batched), ("async batch", gathered)):
         for c, one, other in zip(contexts, singles, rows):
             diff = (one - other).abs().nan_to_num(0.0).max().item()
             assert diff <= atol, f"{name} differs from single by {diff} for context {c}"
             assert torch.equal(one.isinf(), other.isinf()), f"{name}: -inf positions differ for context {c}"
+    check_output_cache(lm, contexts[0])
+    check_sampling(lm, contexts[0])
     if bad_input:
         from genlm_core.testing.bad_input import check_rejects_bad_input
 
         check_rejects_bad_input(lm, contexts[0], atol)
+    if close:
+        check_closed(lm, contexts[0])
+
+
+def check_output_cache(lm: AsyncLM, context: Sequence[int]) -> None:
+    """A repeated request is answered from the output cache without model work."""
+    lm.clear_cache()
+    first = lm.next_token_logprobs_sync(context)
+    hits = lm.cache.hits
+    again = asyncio.run(lm.next_token_logprobs(context))
+    assert lm.cache.hits == hits + 1 and torch.equal(first, again), "a repeated request missed the output cache"
+    lm.clear_cache()
+    assert len(lm.cache) == 0, "clear_cache left entries"
+    assert torch.allclose(lm.next_token_logprobs_sync(context), first, atol=1e-5), "recomputed row differs"
+
+
+def check_sampling(lm: AsyncLM, prompt: Sequence[int]) -> None:
+    """Greedy sampling follows the argmax; a seed reproduces; max_tokens and EOS stop sampling."""
+    top = int(lm.next_token_logprobs_sync(prompt).argmax())
+    greedy = asyncio.run(lm.sample(prompt, 3, [], temperature=0.0))
+    assert len(greedy) == 3 and greedy[0] == top, f"greedy sample {greedy} does not start with the argmax {top}"
+    assert asyncio.run(lm.sample(prompt, 3, [top], temperature=0.0)) == [top], "sampling did not stop at the EOS"
+    assert asyncio.run(lm.sample(prompt, 0, [])) == [], "max_tokens=0 sampled something"
+    first = asyncio.run(lm.sample(prompt, 4, [], seed=1234))
+    assert first == asyncio.run(lm.sample(prompt, 4, [], seed=1234)), "the same seed gave another sample"
+    many = asyncio.run(lm.batch_sample([prompt, [*prompt, top]], 3, [], seed=7))
+    assert len(many) == 2 and all(len(s) == 3 and all(0 <= t < lm.vocab_size for t in s) for s in many), many
+
+
+def check_closed(lm: AsyncLM, context: Sequence[int]) -> None:
+    """Close ``lm``: ``cleanup()`` twice is fine, and every call afterwards raises ClosedError."""
+    from genlm_core.errors import ClosedError
+
+    lm.cleanup()
+    lm.cleanup()
+    calls = {
+        "next_token_logprobs_sync": lambda: lm.next_token_logprobs_sync(context),
+        "next_token_logprobs": lambda: asyncio.run(lm.next_token_logprobs(context)),
+        "batch_next_token_logprobs_sync": lambda: lm.batch_next_token_logprobs_sync([context]),
+        "sample": lambda: asyncio.run(lm.sample(context, 1, [])),
+        "clear_cache": lm.clear_cache,
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except ClosedError:
+            continue
+        except Exception as exc:
+            raise AssertionError(f"{name} after cleanup raised {type(exc).__name__}, not ClosedError") from exc
+        raise AssertionError(f"{name} after cleanup still answered")

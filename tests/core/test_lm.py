@@ -32,7 +32,7 @@ def lm(toy_tok):
 
 
 def test_contract(lm):
-    check_lm_contract(lm, [[1], [5, 6], [3, 3, 3], [0]])
+    check_lm_contract(lm, [[1], [5, 6], [3, 3, 3], [0]], close=True)
 
 
 async def test_concurrent_requests_match_reference_and_are_batched(lm):

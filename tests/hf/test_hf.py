@@ -28,7 +28,7 @@ def make(path, **kwargs):
 
 def test_contract(tiny):
     path, _ = tiny
-    check_lm_contract(make(path), [[1], [5, 6, 7], list(range(100, 140))], atol=TOL)
+    check_lm_contract(make(path), [[1], [5, 6, 7], list(range(100, 140))], atol=TOL, close=True)
 
 
 def test_concurrent_ragged_batches(tiny):

@@ -10,9 +10,10 @@ import torch
 mx = pytest.importorskip("mlx.core", reason="MLX cannot be imported on this machine")
 
 from genlm_core import OptionsError, load_model_by_name  # noqa: E402
+from genlm_core.testing import check_lm_contract  # noqa: E402
 from genlm_core.testing import concurrent_logprobs as gather  # noqa: E402
 from genlm_core.testing import max_abs_diff as max_diff  # noqa: E402
-from genlm_core.testing.bad_input import check_rejects_bad_input, check_rejects_generated_bad_input  # noqa: E402
+from genlm_core.testing.bad_input import check_rejects_generated_bad_input  # noqa: E402
 from genlm_core.testing.models import tiny_model_dir  # noqa: E402
 from genlm_hf import AsyncTransformer  # noqa: E402
 from genlm_mlx import AsyncMlxLM  # noqa: E402
@@ -102,7 +103,7 @@ def test_sampling_batched_and_stops_on_eos(pair):
 
 def test_rejects_bad_input_without_hanging_and_answers_after(pair):
     mlx_lm, _ = pair
-    check_rejects_bad_input(mlx_lm, [1, 2, 3])
+    check_lm_contract(mlx_lm, [[1], [5, 6, 7], list(range(100, 140))], atol=1e-5)
     check_rejects_generated_bad_input(mlx_lm, [1, 2, 3], max_examples=25)
 
 

@@ -33,7 +33,7 @@ def test_loads_by_name_through_the_registry(gpt2):
 
 
 def test_contract_on_real_tokenizer(gpt2):
-    check_lm_contract(MockAsyncLM(gpt2), [[50256], [464, 3139], list(range(100, 400))])
+    check_lm_contract(MockAsyncLM(gpt2), [[50256], [464, 3139], list(range(100, 400))], close=True)
 
 
 async def test_concurrent_batch_matches_reference_and_is_observable(gpt2):

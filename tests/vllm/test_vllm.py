@@ -12,9 +12,10 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core import ClosedError, load_model_by_name
+from genlm_core.testing import check_lm_contract
 from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
-from genlm_core.testing.bad_input import check_rejects_bad_input, check_rejects_generated_bad_input
+from genlm_core.testing.bad_input import check_rejects_generated_bad_input
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 
@@ -108,8 +109,8 @@ def test_missing_vllm_names_both_extras(monkeypatch):
     assert "genlm-vllm[cuda]" in reason and "genlm-vllm[cpu]" in reason
 
 
-def test_rejects_bad_input_without_hanging_and_answers_after(engine):
-    check_rejects_bad_input(engine, [1, 2, 3], atol=1e-5)
+def test_contract_and_bad_input(engine):
+    check_lm_contract(engine, [[1], [5, 6, 7], list(range(100, 140))], atol=1e-5)
     check_rejects_generated_bad_input(engine, [1, 2, 3], max_examples=25, atol=1e-5)
 
 
