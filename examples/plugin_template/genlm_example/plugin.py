@@ -1,0 +1,14 @@
+"""Registers the ``example`` backend with genlm (found through the ``genlm`` entry-point group)."""
+
+from genlm_core import Register, hookimpl
+from genlm_example.options import BigramOptions
+
+
+@hookimpl
+def register_backends(register: Register) -> None:
+    register.backend(
+        "example",
+        "genlm_example.lm:BigramLM.from_options",  # imported only when someone loads the backend
+        options=BigramOptions,
+        description="Template plugin: an add-k smoothed bigram LM counted from a text, over a real tokenizer.",
+    )

@@ -1,0 +1,63 @@
+"""The out-of-tree template plugin (examples/plugin_template), installed like a third party's."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+
+import pytest
+
+from genlm_core import load_model_by_name
+from genlm_core.cli import main
+from genlm_core.testing import check_lm_contract
+from genlm_core.testing.tokenizers import load_tokenizer
+
+pytest.importorskip("genlm_example", reason="install it: pip install -e examples/plugin_template")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt2")
+    load_tokenizer("gpt2").save_pretrained(folder)
+    return str(folder)
+
+
+def test_backends_lists_the_template(capsys):
+    assert main(["backends"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("example "))
+    assert "genlm-example" in line and "yes" in line
+
+
+def test_rows_are_the_smoothed_bigram_probabilities(tokenizer_dir, tmp_path):
+    text = "the cat sat on the mat and the cat ran off the mat " * 3
+    (tmp_path / "corpus.txt").write_text(text)
+    k = 0.5
+    lm = load_model_by_name(
+        tokenizer_dir, backend="example", llm_opts={"corpus": str(tmp_path / "corpus.txt"), "smoothing": k}
+    )
+    ids = lm.tokenizer.encode(text, add_special_tokens=False)
+    pairs = Counter(itertools.pairwise(ids))
+    firsts = Counter(ids[:-1])
+    vocab = lm.vocab_size
+    the, cat = ids[0], ids[1]
+    row = lm.next_token_logprobs_sync([5, the])
+    for nxt in (cat, ids[-1], 0):
+        expected = math.log((pairs[(the, nxt)] + k) / (firsts[the] + k * vocab))
+        assert row[nxt].item() == pytest.approx(expected, abs=1e-4)  # float32 rows over 50k tokens
+    unseen = lm.next_token_logprobs_sync([7])  # a token never seen first: uniform
+    assert unseen.max().item() == pytest.approx(-math.log(vocab), abs=1e-4)
+    lm.cleanup()
+
+
+def test_the_template_passes_the_whole_contract(tokenizer_dir):
+    lm = load_model_by_name(tokenizer_dir, backend="example", llm_opts={"timeout": 0.001})
+    the = lm.tokenizer.encode(" The", add_special_tokens=False)
+    check_lm_contract(lm, [the, [5, 6, 7], list(range(100, 140))], close=True)
+
+
+def test_the_template_options_are_validated(tokenizer_dir):
+    from genlm_core import OptionsError
+
+    with pytest.raises(OptionsError, match="option 'smoothing'"):
+        load_model_by_name(tokenizer_dir, backend="example", llm_opts={"smoothing": 0})
