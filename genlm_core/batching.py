@@ -84,7 +84,7 @@ class ContentKey:
         if type(a) is not type(b) or a.shape != b.shape or a.dtype != b.dtype:
             return False
         if isinstance(a, torch.Tensor):
-            return a.device == b.device and bool(torch.equal(a, b))  # type: ignore[arg-type]
+            return a.device == b.device and bool(torch.equal(a, b))
         return bool(np.array_equal(a, b))
 
 
@@ -282,7 +282,7 @@ class AutoBatcher(Generic[T, R]):
 
     async def _call(self, items: list[T]) -> Sequence[Any]:
         if self._is_async:
-            return await self.process(items)  # type: ignore[misc, no-any-return]
+            return await self.process(items)  # type: ignore[misc]
         if not self.run_in_thread:
             return self.process(items)  # type: ignore[return-value]
         if self._executor is None:

@@ -120,12 +120,12 @@ class AsyncLM(abc.ABC):
         return options
 
     @classmethod
-    def from_name(cls, model_name: str, **option_values: Any) -> Self:
+    def from_name(cls, model_name: str, /, **option_values: Any) -> Self:
         """Load ``model_name`` with options given as keywords (validated by :attr:`Options`)."""
         return cls.from_options(model_name, cls.Options(**option_values))
 
     @classmethod
-    def from_options(cls, model_name: str, options: Any) -> Self:
+    def from_options(cls, model_name: str, options: Any, /) -> Self:
         """Load ``model_name`` with validated options: the factory a backend registers
         (``"package.module:Class.from_options"``). Every backend implements it."""
         raise NotImplementedError(f"{cls.__name__} does not implement from_options")
@@ -178,7 +178,7 @@ class AsyncLM(abc.ABC):
         request = self.request(token_ids)
         cached = self.cache.get(request)
         if cached is not None:
-            return cached  # type: ignore[no-any-return]
+            return cached
         return await self.batcher.submit(request, request)
 
     def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:

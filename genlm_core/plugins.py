@@ -211,7 +211,7 @@ class Plugins:
 
     def _resolved(self, spec: Any) -> Callable[..., Any]:
         try:
-            return spec.load()  # type: ignore[no-any-return]
+            return spec.load()
         except Exception as exc:
             error = f"factory {spec.factory!r} of {spec.name!r} does not resolve: {type(exc).__name__}: {exc}"
             with self._lock:

@@ -85,7 +85,7 @@ class LazyByteProbs:
         return "LazyByteProbs(" + ", ".join(f"{byte_label(int(b))}: {self.ps[b]:.4g}" for b in top) + ", ...)"
 
 
-class Chart(dict):  # type: ignore[type-arg]
+class Chart(dict):
     """A dict with a default ``zero`` for missing keys and a few semiring-style helpers."""
 
     def __init__(self, zero: Any, vals: Iterable[tuple[Hashable, Any]] = ()):

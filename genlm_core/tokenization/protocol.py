@@ -21,8 +21,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
         """Token ids of ``text`` (``add_special_tokens=`` is passed as a keyword)."""
 
-    def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> str:
-        """Text of ``token_ids``."""
+    def decode(self, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        """Text of ``token_ids`` (a ``str`` for one sequence)."""
 
     def __len__(self) -> int:
         """The number of token ids, special tokens included."""

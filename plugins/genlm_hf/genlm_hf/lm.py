@@ -70,6 +70,7 @@ def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
     if kv is None:
         return DynamicCache()
     cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
+    layer: Any  # full-attention layers (the only kind KV reuse runs on)
     for layer, (k, v) in zip(cache.layers, kv):
         layer.keys, layer.values = k, v
     return cache
@@ -109,6 +110,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     def from_name(
         cls,
         model_id: str,
+        /,
         bitsandbytes_opts: dict[str, Any] | None = None,
         hf_opts: dict[str, Any] | None = None,
         **kwargs: Any,
@@ -131,7 +133,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=options.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs(options))
+        model: Any = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs(options))
         if options.device_map is None and not (options.load_in_8bit or options.load_in_4bit):
             model = model.to(resolve_device(options.device))
         return cls(model, tokenizer, options)

@@ -34,12 +34,14 @@ class _PlannedCache:
     """One layer's cache for one planned forward pass, in the shape mlx-lm's attention expects."""
 
     def __init__(self, past: tuple[mx.array, mx.array] | None, offset: mx.array, mask: mx.array):
+        self.keys: mx.array | None
+        self.values: mx.array | None
         self.keys, self.values = past if past is not None else (None, None)
         self.offset = offset
         self._mask = mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is not None:
+        if self.keys is not None and self.values is not None:
             keys = mx.concatenate([self.keys, keys], axis=2)
             values = mx.concatenate([self.values, values], axis=2)
         self.keys, self.values = keys, values
@@ -95,7 +97,7 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         import mlx_lm
 
         config = {**normalise_config(Path(model_path)), **options.model_config_overrides}
-        model, wrapper = mlx_lm.load(model_path, model_config=config)
+        model, wrapper, *_ = mlx_lm.load(model_path, model_config=config)
         return cls(model, getattr(wrapper, "_tokenizer", wrapper), options)
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
@@ -172,7 +174,8 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         )
         # RoPE position of column j in row b is offset[b] + j: left pads do not shift real positions
         offset = mx.array(plan.positions[:, -1] - (width - 1))
-        caches = [_PlannedCache(layer_kv, offset, mask) for layer_kv in (past or [None] * len(self.model.layers))]
+        layers: list[tuple[mx.array, mx.array] | None] = list(past) if past else [None] * len(self.model.layers)
+        caches = [_PlannedCache(layer_kv, offset, mask) for layer_kv in layers]
         hidden = self.model.model(mx.array(plan.input_ids), cache=caches)[:, -1:, :]
         head = self.model.lm_head if hasattr(self.model, "lm_head") else self.model.model.embed_tokens.as_linear
         logits = head(hidden)[:, 0, :]

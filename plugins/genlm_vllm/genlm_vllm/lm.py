@@ -76,7 +76,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
 
     @classmethod
-    def from_name(cls, model: str, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
+    def from_name(cls, model: str, /, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
         """Start an engine for ``model`` with :class:`VLLMOptions` as keywords; ``engine_opts`` go to ``vllm.LLM``."""
         return cls.from_options(model, VLLMOptions(**kwargs, engine_opts=engine_opts or {}))
 
