@@ -52,7 +52,18 @@ class BatcherStats:
     batches: int = 0
     items: int = 0
     submitted: int = 0
+    full_flushes: int = 0  #: batches flushed because batch_size requests were queued
+    timed_flushes: int = 0  #: batches flushed because the oldest request was timeout seconds old
     sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
+
+
+def flush_delay(oldest_queued_at: float, queued: int, now: float, batch_size: int, timeout: float) -> float:
+    """The flush policy: seconds to wait before flushing ``queued`` requests whose oldest was queued at
+    ``oldest_queued_at`` (0: flush now). Full queues flush at once; otherwise the timeout counts from
+    the oldest request, not the newest, so a steady trickle cannot postpone a flush forever."""
+    if queued >= batch_size:
+        return 0.0
+    return max(0.0, oldest_queued_at + timeout - now)
 
 
 class ContentKey:
@@ -240,14 +251,19 @@ class AutoBatcher(Generic[T, R]):
         """The flush policy: wait until ``batch_size`` requests are queued or the oldest one is
         ``timeout`` seconds old, then take up to ``batch_size`` of them, oldest first."""
         loop = asyncio.get_running_loop()
-        while 0 < len(self._pending) < self.batch_size:
+        while self._pending:
             oldest = next(iter(self._pending.values()))
-            delay = oldest.queued_at + self.timeout - loop.time()
-            if delay <= 0:
+            delay = flush_delay(oldest.queued_at, len(self._pending), loop.time(), self.batch_size, self.timeout)
+            if delay > 0:
+                await self._wait_until_full(delay)
+                continue
+            if len(self._pending) < self.batch_size:
                 if self.timeout == 0:
                     await asyncio.sleep(0)  # let requests issued in this same step join
-                break
-            await self._wait_until_full(delay)
+                self.stats.timed_flushes += 1
+            else:
+                self.stats.full_flushes += 1
+            break
         keys = list(self._pending)[: self.batch_size]
         return [self._pending.pop(k) for k in keys]
 

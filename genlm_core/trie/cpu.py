@@ -54,27 +54,51 @@ def _batch(
             _sum_into(out[b], ws[b], index_arrays)
 
 
+def _count_at(buffers: list[np.ndarray], i: int) -> int:
+    """``sys.getrefcount`` of ``buffers[i]`` as :class:`OutputPool` sees it (one code path for the
+    calibration and the use, so the baseline is always the interpreter's own)."""
+    buf = buffers[i]
+    return sys.getrefcount(buf)
+
+
+def _free_count() -> int | None:
+    """The count of a buffer that only the pool holds, measured on this interpreter; None where
+    reference counts cannot tell (not CPython, or a live view does not raise the count): pooling
+    is then off and every result gets fresh memory."""
+    if sys.implementation.name != "cpython" or not hasattr(sys, "getrefcount"):
+        return None
+    probe = [np.empty(1)]
+    free = _count_at(probe, 0)
+    view = probe[0][:]
+    held = _count_at(probe, 0)
+    del view
+    return free if held > free and _count_at(probe, 0) == free else None
+
+
 class OutputPool:
     """Output arrays whose memory is reused once no array views it any more.
 
     Large fresh allocations are page-faulted (and zeroed by the kernel) on first touch, which costs
     as much as the trie sweep itself at batch 128; results the caller has dropped are recycled
-    instead. An array still referenced anywhere is never handed out again.
+    instead. An array still referenced anywhere (a view keeps its base referenced) is never handed
+    out again. "Only the pool holds it" is the reference count measured at start-up on this
+    interpreter (:func:`_free_count`), not a constant; where counts cannot tell, nothing is reused.
     """
 
     def __init__(self, keep: int = 4):
         self.keep = keep
+        self.free_count = _free_count()
         self._buffers: list[np.ndarray] = []
         self._lock = threading.Lock()
 
     def empty(self, rows: int, cols: int) -> np.ndarray:
+        if self.free_count is None:
+            return np.empty((rows, cols))
         with self._lock:
             for i in range(len(self._buffers)):
-                buf = self._buffers[i]
-                # references: the list, `buf`, getrefcount's argument; a live result or view adds one
-                if buf.shape == (rows, cols) and sys.getrefcount(buf) == 3:
+                if self._buffers[i].shape == (rows, cols) and _count_at(self._buffers, i) == self.free_count:
                     self._buffers.append(self._buffers.pop(i))
-                    return buf
+                    return self._buffers[-1]
             buf = np.empty((rows, cols))
             self._buffers = [*self._buffers[-(self.keep - 1) :], buf] if self.keep > 1 else [buf]
             return buf

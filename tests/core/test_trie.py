@@ -224,3 +224,20 @@ def test_output_buffers_are_reused_only_when_no_result_views_them():
     third = trie.batch_weight_sum(np.array([[0.1, 0.1, 0.8]]))
     assert third.__array_interface__["data"][0] == address  # dropped result's memory recycled
     np.testing.assert_array_equal(first, kept)
+
+
+def test_output_pool_calibrates_its_free_count_and_turns_off_where_counts_cannot_tell(monkeypatch):
+    from genlm_core.trie import cpu
+
+    pool = cpu.OutputPool()
+    assert pool.free_count is not None  # CPython: calibrated, not assumed
+    a = pool.empty(2, 3)
+    row = a[0]  # a view of the result keeps its memory taken
+    del a
+    b = pool.empty(2, 3)
+    assert not np.shares_memory(row, b)
+    monkeypatch.setattr(cpu, "_free_count", lambda: None)  # e.g. another interpreter
+    off = cpu.OutputPool()
+    off.empty(2, 3)
+    off.empty(2, 3)
+    assert off.free_count is None and off._buffers == []  # nothing kept, so nothing can be handed out twice
