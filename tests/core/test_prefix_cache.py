@@ -1,0 +1,101 @@
+"""Direct tests of the longest-prefix LRU (PrefixCache) and the batch layout (plan_batch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from genlm_core.kv_reuse import KVBlock, KVRow, plan_batch
+from genlm_core.prefix_cache import PrefixCache
+
+
+class Block:
+    """A stand-in for a KV block: identity is what the cache tracks."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def test_longest_prefix_prefers_the_longest_and_respects_namespaces_and_max_length():
+    cache = PrefixCache()
+    b = Block("b")
+    cache.put(None, (1,), "1", b, 10)
+    cache.put(None, (1, 2, 3), "123", b, 10)
+    cache.put("lora", (1, 2, 3, 4), "lora 1234", b, 10)
+    assert cache.longest_prefix(None, (1, 2, 3, 4)).value == "123"
+    assert cache.longest_prefix(None, (1, 2, 3, 4), max_length=2).value == "1"
+    assert cache.longest_prefix("lora", (1, 2, 3, 4)).value == "lora 1234"
+    assert cache.longest_prefix(None, (2, 1)) is None
+    assert (cache.hits, cache.misses) == (3, 1)
+
+
+def test_bytes_are_counted_once_per_shared_block_and_freed_with_its_last_entry():
+    cache = PrefixCache()
+    shared, other = Block("shared"), Block("other")
+    cache.put(None, (1,), "a", shared, 100)
+    cache.put(None, (2,), "b", shared, 100)  # the same block: its bytes count once
+    cache.put(None, (3,), "c", other, 50)
+    assert cache.nbytes == 150 and len(cache) == 3
+    cache.put(None, (1,), "a2", other, 50)  # replacing an entry moves it to another block
+    assert cache.nbytes == 150
+    cache.put(None, (2,), "b2", other, 50)  # the shared block's last entry gone: its bytes freed
+    assert cache.nbytes == 50
+    cache.clear()
+    assert cache.nbytes == 0 and len(cache) == 0 and cache.longest_prefix(None, (1,)) is None
+
+
+def test_eviction_is_least_recently_used_by_entries():
+    cache = PrefixCache(max_entries=2)
+    blocks = [Block(i) for i in range(4)]
+    cache.put(None, (1,), "1", blocks[0], 1)
+    cache.put(None, (2,), "2", blocks[1], 1)
+    assert cache.longest_prefix(None, (1, 9)).value == "1"  # a hit makes (1,) recent
+    cache.put(None, (3,), "3", blocks[2], 1)  # evicts (2,), the least recently used
+    assert cache.longest_prefix(None, (2,)) is None
+    assert cache.longest_prefix(None, (1,)).value == "1" and cache.longest_prefix(None, (3,)).value == "3"
+
+
+def test_eviction_by_bytes_keeps_the_newest_block_even_when_it_alone_is_over_the_bound():
+    cache = PrefixCache(max_bytes=100)
+    old, big = Block("old"), Block("big")
+    cache.put(None, (1,), "old", old, 60)
+    cache.put(None, (2,), "big 1", big, 500)
+    cache.put(None, (3,), "big 2", big, 500)
+    assert cache.longest_prefix(None, (1,)) is None  # evicted for bytes
+    assert cache.longest_prefix(None, (2,)).value == "big 1" and cache.longest_prefix(None, (3,)).value == "big 2"
+    assert cache.nbytes == 500  # over the bound: the batch just stored survives to be extended
+    cache.put(None, (4,), "next", Block("next"), 10)  # a newer block: now the big one can go
+    assert cache.nbytes == 10 and cache.longest_prefix(None, (2,)) is None
+
+
+def make_block(rows, length):
+    kv = [(np.zeros((rows, 1, length, 2)), np.zeros((rows, 1, length, 2)))]
+    return KVBlock(kv, np.ones((rows, length), bool))
+
+
+def test_plan_batch_left_pads_new_tokens_with_real_positions_and_groups_by_block():
+    a, b = make_block(2, 5), make_block(1, 3)
+    rows = [
+        KVRow((1, 2, 3, 4, 5, 6), done=5, entry=(a, 1)),  # one new token after 5 cached
+        KVRow((7, 8, 9, 10, 11), done=3, entry=(b, 0)),  # two new tokens after 3 cached
+        KVRow((12, 13, 14)),  # nothing cached: three new tokens
+        KVRow((1, 2, 3, 4, 5, 20), done=5, entry=(a, 0)),
+    ]
+    plan = plan_batch(rows)
+    assert plan.width == 3 and plan.past_length == 5
+    np.testing.assert_array_equal(plan.input_ids, [[0, 0, 6], [0, 10, 11], [12, 13, 14], [0, 0, 20]])
+    np.testing.assert_array_equal(plan.new_mask, [[0, 0, 1], [0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    np.testing.assert_array_equal(plan.positions, [[0, 0, 5], [0, 3, 4], [0, 1, 2], [0, 0, 5]])
+    assert [(g[0] is a, g[1], g[2]) for g in plan.groups] == [(True, [0, 3], [1, 0]), (False, [1], [0])]
+    assert plan.reuses_whole_block() is None and not plan.reuses_one_block()
+
+
+@pytest.mark.parametrize(
+    ("sources", "whole", "one"),
+    [([0, 1], True, True), ([1, 0], False, True), ([0, 0], False, True)],
+)
+def test_plan_batch_detects_batches_that_extend_one_block(sources, whole, one):
+    block = make_block(2, 4)
+    rows = [KVRow((1, 2, 3, 4, 9 + i), done=4, entry=(block, src)) for i, src in enumerate(sources)]
+    plan = plan_batch(rows)
+    assert (plan.reuses_whole_block() is block) == whole and plan.reuses_one_block() == one
