@@ -20,7 +20,10 @@ import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +115,7 @@ def _build(name: str, out: Path) -> None:
 
 
 @functools.cache
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """A real tokenizer by name (see :data:`TOKENIZERS`), built once per machine, loaded offline."""
     if name not in TOKENIZERS:
         raise ValueError(f"unknown test tokenizer {name!r}; known: {sorted(TOKENIZERS)}")
@@ -127,7 +130,7 @@ def load_tokenizer(name: str) -> Any:
 
 
 @functools.cache
-def toy_tokenizer() -> Any:
+def toy_tokenizer() -> PreTrainedTokenizerBase:
     """A tiny byte-level BPE tokenizer built in memory: ``<eos>`` (id 0), the 256 bytes, a few merges.
 
     Duplicate-free, instant to build, and real: a ``transformers`` fast tokenizer.

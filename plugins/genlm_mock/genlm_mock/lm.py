@@ -16,7 +16,7 @@ from genlm_core import AsyncLM, Request, Tokenizer
 from genlm_mock.options import MockOptions
 
 
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str) -> Tokenizer:
     """A local tokenizer folder, or a built-in offline tokenizer name (``gpt2``, ``mistral-v1``, ...)."""
     from genlm_core.testing.tokenizers import TOKENIZERS
     from genlm_core.testing.tokenizers import load_tokenizer as builtin
