@@ -24,58 +24,9 @@ from genlm_core.bytes import (
 from genlm_core.testing.tokenizers import toy_tokenizer
 from genlm_mock import MockAsyncLM
 
+from .exact import Enumerator
+
 WIDE = BeamParams(K=10_000, heal=False)
-
-
-async def exact_prefix_mass(
-    lm: AsyncLM, context: list[int], x: bytes, eos_ids: set[int], exclude_last: set[int]
-) -> float:
-    """Sum over every token sequence that spells a proper prefix of ``x`` exactly, followed by a token
-    whose bytes start with the rest of ``x`` (not one of ``exclude_last``), of its probability."""
-    vocab = [bytes(t) for t in lm.byte_vocab]
-    total = 0.0
-    stack = [(list(context), 0, 1.0)]
-    while stack:
-        ctx, m, p = stack.pop()
-        probs = (await lm.next_token_logprobs(ctx)).double().exp().numpy()
-        rest = x[m:]
-        for t, tb in enumerate(vocab):
-            if tb.startswith(rest) and t not in exclude_last:
-                total += p * probs[t]
-            if 0 < len(tb) < len(rest) and rest.startswith(tb):
-                stack.append((ctx + [t], m + len(tb), p * probs[t]))
-    return total
-
-
-async def exact_exact_spellings(lm: AsyncLM, context: list[int], x: bytes) -> list[tuple[list[int], float]]:
-    """Every token sequence spelling exactly ``x``, with its probability."""
-    vocab = [bytes(t) for t in lm.byte_vocab]
-    out, stack = [], [(list(context), 0, 1.0)]
-    while stack:
-        ctx, m, p = stack.pop()
-        if m == len(x):
-            out.append((ctx, p))
-            continue
-        probs = (await lm.next_token_logprobs(ctx)).double().exp().numpy()
-        for t, tb in enumerate(vocab):
-            if tb and x[m:].startswith(tb):
-                stack.append((ctx + [t], m + len(tb), p * probs[t]))
-    return out
-
-
-async def exact_next_byte(lm: AsyncLM, context: list[int], x: bytes, eos_ids: set[int]) -> np.ndarray:
-    """Exact next-symbol log-probabilities after ``x`` (bytes 0..255, EOS at 257), normalised."""
-    out = np.full(258, -np.inf)
-    for b in range(256):
-        mass = await exact_prefix_mass(lm, context, x + bytes([b]), eos_ids, exclude_last=eos_ids)
-        out[b] = math.log(mass) if mass > 0 else -np.inf
-    eos_mass = 0.0
-    for ctx, p in await exact_exact_spellings(lm, context, x):
-        probs = (await lm.next_token_logprobs(ctx)).double().exp().numpy()
-        eos_mass += p * probs[sorted(eos_ids)].sum()
-    out[EOS] = math.log(eos_mass) if eos_mass > 0 else -np.inf
-    finite = out[np.isfinite(out)]
-    return out - (np.log(np.exp(finite - finite.max()).sum()) + finite.max())
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +52,10 @@ def test_wide_beam_equals_exact_marginalisation(request, which, text):
         beam = await ByteBeamState.initial(lm, WIDE)
         context = beam.states[0].lm_state.context
         after = await beam.prefill(text)
-        exact = await exact_prefix_mass(lm, context, text, eos, exclude_last=set())
-        assert after.logZ == pytest.approx(math.log(exact), abs=1e-6)
+        exact = Enumerator(lm)
+        assert after.logZ == pytest.approx(await exact.prefix_logmass(context, text), abs=1e-6)
         got = (await after.logp_next()).ps
-        want = await exact_next_byte(lm, context, text, eos)
+        want = await exact.next_byte(context, text, eos)
         np.testing.assert_allclose(got, want, atol=1e-6)
         beam.cleanup()
 
@@ -163,10 +114,10 @@ def test_duplicate_tokens(mock_lm):
         beam = await ByteBeamState.initial(lm, WIDE)
         context = beam.states[0].lm_state.context
         after = await beam.prefill(b" the")
-        exact = await exact_prefix_mass(lm, context, b" the", eos, exclude_last=set())
-        assert after.logZ == pytest.approx(math.log(exact), abs=1e-6)
+        exact = Enumerator(lm)
+        assert after.logZ == pytest.approx(await exact.prefix_logmass(context, b" the"), abs=1e-6)
         np.testing.assert_allclose(
-            (await after.logp_next()).ps, await exact_next_byte(lm, context, b" the", eos), atol=1e-6
+            (await after.logp_next()).ps, await exact.next_byte(context, b" the", eos), atol=1e-6
         )
         committed = {s.lm_state.context[-1] for s in after.states if s.node == s.trie.trie.root}
         assert {tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids(" the")} <= committed | {
