@@ -107,10 +107,9 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     # ---- loading ------------------------------------------------------------------------------
 
     @classmethod
-    def from_name(
+    def from_name(  # type: ignore[override]  # the seed's signature: model_id may be given by keyword
         cls,
         model_id: str,
-        /,
         bitsandbytes_opts: dict[str, Any] | None = None,
         hf_opts: dict[str, Any] | None = None,
         **kwargs: Any,
