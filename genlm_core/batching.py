@@ -170,19 +170,21 @@ class AutoBatcher(Generic[T, R]):
         self._running: dict[Hashable, _Job] = {}
         self._worker: asyncio.Task[None] | None = None
         self._full: asyncio.Future[None] | None = None
-        self._failure: BaseException | None = None
+        self._failure: BatcherError | None = None  # the worker's death, raised once by the next submit
         self.closed = False
+
+    def ensure_open(self) -> None:
+        """Raise :class:`~genlm_core.errors.ClosedError` if :meth:`close` has been called."""
+        if self.closed:
+            raise ClosedError(f"{self.name} was closed (cleanup() was called); create a new one")
 
     async def submit(self, key: Hashable, item: T) -> R:
         """Queue ``item`` under ``key`` (see the class docstring for what a key must be) and wait
         for its result."""
-        if self.closed:
-            raise ClosedError(f"{self.name} was closed (cleanup() was called); create a new one")
+        self.ensure_open()
         if self._failure is not None:
             failure, self._failure = self._failure, None
-            raise BatcherError(f"{self.name}: the batch worker stopped on an unexpected error: {failure!r}") from (
-                failure
-            )
+            raise failure
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._bind(loop)
@@ -237,9 +239,9 @@ class AutoBatcher(Generic[T, R]):
                     await self._run_batch(batch)
         except Exception as exc:  # a bug of ours: fail everyone now rather than leave them waiting
             log.error("%s: batch worker stopped: %r", self.name, exc, exc_info=exc)
-            self._failure = exc
             error = BatcherError(f"{self.name}: the batch worker stopped on an unexpected error: {exc!r}")
             error.__cause__ = exc
+            self._failure = error
             for job in [*self._pending.values(), *self._running.values()]:
                 job.resolve(Failed(error))
             self._pending, self._running = {}, {}

@@ -42,10 +42,9 @@ def _number(kind: Callable[[str], Any], minimum: float | None = None, below: flo
                 f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
             ) from None
         if value != value or (minimum is not None and value < minimum) or (below is not None and not value < below):
-            bounds = " and ".join(
-                part for part in (f">= {minimum}" if minimum is not None else "", f"< {below}" if below else "") if part
-            )
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+            bounds = [f">= {minimum}"] if minimum is not None else []
+            bounds += [f"< {below}"] if below is not None else []
+            raise argparse.ArgumentTypeError(f"must be {' and '.join(bounds)}, got {text}")
         return value
 
     parse.__name__ = kind.__name__

@@ -85,20 +85,18 @@ class AsyncLM(abc.ABC):
     ):
         """``options``: validated options (an instance of :attr:`Options`), or give them as keywords
         (``batch_size=64, timeout=0.0, ...``), validated here. Either way they are ``self.options``."""
-        self.options = self.make_options(options, option_values)
-        batch_size, timeout = self.options.batch_size, self.options.timeout
-        cache_size, cache_bytes = self.options.cache_size, self.options.cache_bytes
+        self.options = o = self.make_options(options, option_values)
         self.tokenizer = tokenizer
         vocab = decode_vocabulary(tokenizer)
         self.byte_vocab: list[Token] = vocab.byte_vocab
         self.str_vocab: list[str] = vocab.str_vocab
         self.vocab_size = len(self.byte_vocab)
         self._missing_ids = torch.tensor(vocab.missing_ids, dtype=torch.long) if vocab.missing_ids else None
-        self.cache = OutputCache(cache_size, cache_bytes, move_to_cpu=cache_to_cpu)
+        self.cache = OutputCache(o.cache_size, o.cache_bytes, move_to_cpu=cache_to_cpu)
         self.batcher: AutoBatcher[Request, torch.Tensor] = AutoBatcher(
             self.compute_rows,
-            batch_size=batch_size,
-            timeout=timeout,
+            batch_size=o.batch_size,
+            timeout=o.timeout,
             run_in_thread=run_in_thread,
             name=type(self).__name__,
         )

@@ -196,7 +196,7 @@ class Plugins:
     def _failures_note(self, name: str) -> str:
         """What failed that may explain why ``name`` is missing."""
         hint = KNOWN_DISTRIBUTIONS.get(name, f"genlm-{name}")
-        related = [f for f in self.failures if name in (f.plugin,) or f.distribution == hint]
+        related = [f for f in self.failures if f.plugin == name or f.distribution == hint]
         shown = related or self.failures
         if not shown:
             return ""

@@ -19,7 +19,6 @@ import numpy as np
 
 from genlm_core.errors import ClosedError
 from genlm_core.lm import AsyncLM
-from genlm_core.tokenization import Token
 from genlm_core.validation import as_bytes, check_bool, check_int, check_real, check_seed, is_int
 
 from .heal import TokenHealer
@@ -78,7 +77,7 @@ def check_eos_tokens(eos_tokens: Any) -> list[Any]:
         raise TypeError(f"eos_tokens must be a list of Tokens, token ids or byte strings, got {eos_tokens!r}")
     out: list[Any] = []
     for t in eos_tokens:
-        if isinstance(t, Token) or isinstance(t, (bytes, bytearray)):
+        if isinstance(t, (bytes, bytearray)):  # a Token is bytes too, and keeps its id
             out.append(t)
         elif is_int(t):
             out.append(check_int(t, "eos_tokens entry", 0))

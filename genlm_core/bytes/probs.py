@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from genlm_core.validation import is_int
+
 #: Index of "end of token" and "end of sequence" in a 258-long next-byte vector (bytes are 0..255).
 EOT = 256
 EOS = 257
@@ -16,7 +18,7 @@ def check_symbol(b: Any) -> int:
     """A byte (0..255) or EOS (257) to feed a beam or state; TypeError/ValueError naming anything else
     (EOT, 256, is internal: a token ends by itself)."""
     if type(b) is not int:
-        if not isinstance(b, (int, np.integer)) or isinstance(b, (bool, np.bool_)):
+        if not is_int(b):
             raise TypeError(f"a byte must be an integer 0..255 (or EOS, 257), got {b!r} ({type(b).__name__})")
         b = int(b)
     if not (0 <= b < 256 or b == EOS):
@@ -59,7 +61,7 @@ class LazyByteProbs:
         """Entry for byte ``b`` (0..255), EOT (``None`` or 256) or EOS (257)."""
         if b is None:
             return float(self.ps[EOT])
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b <= EOS:
+        if not is_int(b) or not 0 <= b <= EOS:
             raise ValueError(f"invalid index {b}: bytes are 0..255, EOT is None (or 256), EOS is 257")
         return float(self.ps[b])
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from genlm_core.batching import AutoBatcher, ContentKey
-from genlm_core.errors import ClosedError
 from genlm_core.plugins import get_plugins
 from genlm_core.trie.async_trie import stack_rows
 from genlm_core.trie.base import TrieBase
@@ -133,9 +132,6 @@ class TokenByteTrie:
         self.eos_token_ids = sorted(
             ids_of(eos_byte_strings, "EOS") | check_token_id_set(eos_token_ids, len(self.decode), "eos_token_ids")
         )
-        bad = [i for i in self.eos_token_ids if not 0 <= i < len(self.decode)]
-        if bad:
-            raise ValueError(f"EOS token ids {bad} are outside the vocabulary [0, {len(self.decode)})")
         self.atomic_token_ids = sorted(ids_of(atomic_byte_strings, "atomic"))
         self.root = self.trie.root
         self.eos_node = self.trie.num_nodes
@@ -282,8 +278,7 @@ class AsyncTokenByteTrie:
     async def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
         """``(masses, eos_mass)`` for one probability vector, checked and copied when submitted (a bad
         vector fails alone, at once; later changes to the caller's array do not change the result)."""
-        if self.closed:
-            raise ClosedError("this AsyncTokenByteTrie was closed by cleanup()")
+        self.batcher.ensure_open()  # a closed trie says so before it looks at the weights
         mode = check_mode(mode)
         row = self.trie.trie.check_weights(ws, single=True, copy=True)[0]
         return await self.batcher.submit(ContentKey(mode, row), (mode, row))

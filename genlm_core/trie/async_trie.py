@@ -9,7 +9,6 @@ import numpy as np
 import torch
 
 from genlm_core.batching import AutoBatcher, ContentKey
-from genlm_core.errors import ClosedError
 from genlm_core.plugins import get_plugins
 from genlm_core.trie.base import TrieBase
 from genlm_core.validation import check_batcher_numbers, check_vocabulary
@@ -69,8 +68,7 @@ class AsyncTokenCharacterTrie:
         return self.batcher.closed
 
     async def _submit(self, op: str, ws: Any) -> np.ndarray:
-        if self.closed:
-            raise ClosedError("this AsyncTokenCharacterTrie was closed by cleanup()")
+        self.batcher.ensure_open()  # a closed trie says so before it looks at the weights
         row = self.trie.check_weights(ws, allow_neg_inf=op == "max", single=True, copy=True)[0]
         return await self.batcher.submit(ContentKey(op, row), (op, row))
 

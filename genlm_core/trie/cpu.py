@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 
@@ -61,10 +62,11 @@ def _count_at(buffers: list[np.ndarray], i: int) -> int:
     return sys.getrefcount(buf)
 
 
+@functools.cache
 def _free_count() -> int | None:
     """The count of a buffer that only the pool holds, measured on this interpreter; None where
     reference counts cannot tell (not CPython, or a live view does not raise the count): pooling
-    is then off and every result gets fresh memory."""
+    is then off and every result gets fresh memory. Measured once per process."""
     if sys.implementation.name != "cpython" or not hasattr(sys, "getrefcount"):
         return None
     probe = [np.empty(1)]
