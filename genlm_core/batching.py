@@ -212,9 +212,8 @@ class AutoBatcher(Generic[T, R]):
         old = self._loop
         if old is not None and not old.is_closed() and old.is_running() and (self._pending or self._running):
             raise RuntimeError(f"{self.name}: in use by another running event loop")
+        self._bind_fresh()
         self._loop = loop
-        self._pending, self._running = {}, {}
-        self._worker, self._full = None, None
 
     def _wake(self) -> None:
         if self._full is not None and not self._full.done():
@@ -307,6 +306,27 @@ class AutoBatcher(Generic[T, R]):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"genlm-{self.name}")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.process, items)  # type: ignore[arg-type]
+
+    def reset(self) -> None:
+        """Drop every queued request that has not started: its waiters get BatcherError. Batches
+        already running finish normally. Called outside the batcher's running event loop (e.g. after
+        ``asyncio.run`` ended on an exception), it forgets the queue and starts afresh next time."""
+        queued, self._pending = list(self._pending.values()), {}
+        loop = self._loop
+        try:
+            in_loop = loop is not None and asyncio.get_running_loop() is loop
+        except RuntimeError:
+            in_loop = False
+        if not in_loop:
+            self._bind_fresh()
+            return
+        for job in queued:
+            job.resolve(Failed(BatcherError(f"{self.name}: the request was dropped by reset_async_queries()")))
+
+    def _bind_fresh(self) -> None:
+        self._loop = None
+        self._pending, self._running = {}, {}
+        self._worker, self._full = None, None
 
     def close(self) -> None:
         """Stop for good: queued and running requests fail with ClosedError, and so does every

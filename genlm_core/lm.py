@@ -20,6 +20,7 @@ import torch
 
 from genlm_core.batching import AutoBatcher, Failed
 from genlm_core.cache import OutputCache
+from genlm_core.closing import CLOSED, Closed
 from genlm_core.config import BackendOptions
 from genlm_core.errors import ClosedError
 from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
@@ -137,6 +138,12 @@ class AsyncLM(abc.ABC):
         Any float dtype and device. Called with validated, distinct requests, under a lock.
         """
 
+    def forward_uncached(self, request: Request) -> torch.Tensor:
+        """Logits ``[W]`` of one request from a plain forward pass with no reused state. The default
+        runs :meth:`forward_batch` on it alone; backends with KV reuse override it."""
+        out = self.forward_batch([request])
+        return (out if isinstance(out, torch.Tensor) else torch.stack(list(out)))[0]
+
     def clear_backend_cache(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
         """Drop backend-held state such as KV caches (called by :meth:`clear_cache`)."""
 
@@ -148,6 +155,13 @@ class AsyncLM(abc.ABC):
         """Name of the active LoRA adapter; part of every cache key. ``None`` without adapters."""
         return None
 
+    def adapter_for(self, lora_name: str | None) -> str | None:
+        """The adapter a request runs with: ``lora_name`` when given (it must be loaded), else
+        :attr:`active_adapter`. A backend without adapters refuses any name."""
+        if lora_name is None:
+            return self.active_adapter
+        raise ValueError(f"{type(self).__name__} has no LoRA adapters; lora_name={lora_name!r} cannot be used")
+
     # ---- the protocol ------------------------------------------------------------------------
 
     def ensure_open(self) -> None:
@@ -155,9 +169,10 @@ class AsyncLM(abc.ABC):
         if self._closed:
             raise ClosedError(f"{type(self).__name__} was closed by cleanup(); load the model again to use it")
 
-    def request(self, token_ids: TokenIds) -> Request:
+    def request(self, token_ids: TokenIds, lora_name: str | None = None) -> Request:
         """Validate ``token_ids`` and make the request (and cache key) for it: a snapshot, so later
-        changes to the caller's list or array do not change it.
+        changes to the caller's list or array do not change it. ``lora_name`` picks a loaded LoRA
+        adapter for this request (None: the active adapter, or the base model).
 
         Raises TypeError for what is not a sequence of integer ids (sets, strings, bools, floats),
         ValueError for an empty context, an id outside ``[0, len(byte_vocab))``, or a context
@@ -169,32 +184,67 @@ class AsyncLM(abc.ABC):
             raise ValueError(
                 f"token_ids has {len(ids)} tokens, more than this model's limit of {self.context_limit} positions"
             )
-        return Request(ids, self.active_adapter)
+        return Request(ids, self.adapter_for(lora_name))
 
-    async def next_token_logprobs(self, token_ids: TokenIds) -> torch.Tensor:
+    async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids``, batched with concurrent calls."""
-        request = self.request(token_ids)
+        request = self.request(token_ids, lora_name)
+        return await self.request_logprobs(request)
+
+    async def request_logprobs(self, request: Request) -> torch.Tensor:
+        """The row of a request made by :meth:`request`: from the output cache, else batched."""
         cached = self.cache.get(request)
         if cached is not None:
             return cached
         return await self.batcher.submit(request, request)
 
-    def next_token_logprobs_sync(self, token_ids: TokenIds) -> torch.Tensor:
+    def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Synchronous :meth:`next_token_logprobs` (computed directly, sharing caches and the lock)."""
-        return self._rows_sync([token_ids])[0]
+        return self._rows_sync([token_ids], lora_name)[0]
 
-    async def batch_next_token_logprobs(self, token_ids_list: Iterable[TokenIds]) -> torch.Tensor:
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Iterable[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Logprobs for several contexts at once, ``[len(token_ids_list), vocab_size]``."""
-        requests = [self.request(ids) for ids in _iterable(token_ids_list, "token_ids_list")]
-        rows = await asyncio.gather(*(self.next_token_logprobs(r.token_ids) for r in requests))
+        requests = [self.request(ids, lora_name) for ids in _iterable(token_ids_list, "token_ids_list")]
+        rows = await asyncio.gather(*(self.request_logprobs(r) for r in requests))
         return self._stack(rows)
 
-    def batch_next_token_logprobs_sync(self, token_ids_list: Iterable[TokenIds]) -> torch.Tensor:
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Iterable[TokenIds], lora_name: str | None = None
+    ) -> torch.Tensor:
         """Synchronous :meth:`batch_next_token_logprobs`, in chunks of the batch size."""
-        return self._stack(self._rows_sync(token_ids_list))
+        return self._stack(self._rows_sync(token_ids_list, lora_name))
 
-    def _rows_sync(self, token_ids_list: Iterable[TokenIds]) -> list[torch.Tensor]:
-        requests = [self.request(ids) for ids in _iterable(token_ids_list, "token_ids_list")]
+    def next_token_logprobs_uncached(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
+        """The row of ``token_ids`` computed now, alone, by :meth:`forward_uncached`: no output cache,
+        no batcher, no KV reuse. A reference for checking the cached paths, and what genlm-backend's
+        method of this name does."""
+        request = self.request(token_ids, lora_name)
+        with self.model_lock:
+            logits = self.forward_uncached(request)
+        row = logits_to_logprobs(logits.reshape(1, -1), self.vocab_size, self._missing_ids)[0]
+        if torch.isnan(row.sum()):
+            raise FloatingPointError(
+                f"{type(self).__name__} produced NaN logits for context of {len(token_ids)} tokens"
+            )
+        return row
+
+    def reset_async_queries(self) -> None:
+        """Fail every request still waiting in the batcher (genlm-backend's name): use it after an
+        exception stopped an inference program halfway, so no stale request runs later. The waiters
+        get :class:`~genlm_core.errors.BatcherError`; the model stays usable."""
+        self.ensure_open()
+        self.batcher.reset()
+
+    def clear_kv_cache(self) -> None:
+        """Drop the backend's KV / prefix caches but keep the output cache (genlm-backend's name)."""
+        self.ensure_open()
+        with self.model_lock:
+            self.clear_backend_cache()
+
+    def _rows_sync(self, token_ids_list: Iterable[TokenIds], lora_name: str | None = None) -> list[torch.Tensor]:
+        requests = [self.request(ids, lora_name) for ids in _iterable(token_ids_list, "token_ids_list")]
         found: dict[Request, torch.Tensor] = {}
         todo = []
         for r in requests:
@@ -252,23 +302,25 @@ class AsyncLM(abc.ABC):
         eos_token_ids: Iterable[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
-        """Sample up to ``max_tokens`` tokens after the prompt; stop after one of ``eos_token_ids``.
+        """Sample up to ``max_tokens`` tokens after the prompt, stopping at one of ``eos_token_ids``.
 
-        Returns the generated ids (a final EOS included). ``temperature=0`` is greedy. Concurrent
-        calls are batched step by step through the same batcher.
+        Returns the generated ids; the EOS that stopped it is not included (as in genlm-backend).
+        ``temperature=0`` is greedy. Concurrent calls are batched step by step through the same batcher.
         """
-        context = list(self.request(prompt_token_ids).token_ids)
+        first = self.request(prompt_token_ids, lora_name)
         max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
         generator = torch.Generator().manual_seed(random.getrandbits(63) if seed is None else seed)
+        context = list(first.token_ids)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self.next_token_logprobs(context)
+            logprobs = await self.request_logprobs(self.request(context, lora_name))
             token = sample_token(logprobs, temperature, generator)
-            generated.append(token)
-            context.append(token)
             if token in eos:
                 break
+            generated.append(token)
+            context.append(token)
         return generated
 
     async def batch_sample(
@@ -278,16 +330,22 @@ class AsyncLM(abc.ABC):
         eos_token_ids: Iterable[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[list[int]]:
         """:meth:`sample` for several prompts concurrently; prompt ``i`` uses seed ``seed + i``
-        (modulo ``2**63``)."""
-        prompts = [self.request(p).token_ids for p in _iterable(prompt_token_ids_list, "prompt_token_ids_list")]
+        (modulo ``2**63``), so equal prompts give independent samples. (genlm-backend gives every
+        prompt the same seed; ``genlm_compat.wrap`` keeps that.)"""
+        prompts = [
+            self.request(p, lora_name).token_ids for p in _iterable(prompt_token_ids_list, "prompt_token_ids_list")
+        ]
         max_tokens, eos_set, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
         eos = sorted(eos_set)
         return list(
             await asyncio.gather(
                 *(
-                    self.sample(p, max_tokens, eos, temperature, None if seed is None else (seed + i) % 2**63)
+                    self.sample(
+                        p, max_tokens, eos, temperature, None if seed is None else (seed + i) % 2**63, lora_name
+                    )
                     for i, p in enumerate(prompts)
                 )
             )
@@ -315,11 +373,11 @@ class AsyncLM(abc.ABC):
             self.cache.clear()
             self.clear_backend_cache()
 
-    def cleanup(self) -> None:
+    def cleanup(self) -> Closed:
         """Release the model, caches and worker thread. The object is unusable afterwards; calling
-        this again does nothing."""
+        this again does nothing. The result may be awaited (``await lm.cleanup()``) or ignored."""
         if self._closed:
-            return
+            return CLOSED
         self._closed = True
         self.batcher.close()
         with self.model_lock:
@@ -329,6 +387,7 @@ class AsyncLM(abc.ABC):
         gc.collect()  # models hold large reference cycles; free them now, not at some later collection
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        return CLOSED
 
     def __enter__(self) -> AsyncLM:
         return self
@@ -355,15 +414,53 @@ class LoRASelection:
     def active_adapter(self) -> str | None:
         return self._active_lora
 
-    def set_lora(self, name: str) -> None:
-        """Make adapter ``name`` active for the following requests."""
+    def adapter_for(self, lora_name: str | None) -> str | None:
+        if lora_name is None:
+            return self._active_lora
+        if not isinstance(lora_name, str):
+            raise TypeError(f"lora_name must be a str or None, got {type(lora_name).__name__}")
+        if lora_name not in self.adapters:
+            raise ValueError(f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        return lora_name
+
+    def load_lora(self, path: str, name: str = "lora_1") -> None:
+        """Load a LoRA adapter from ``path`` under ``name``; it is used where a request names it."""
+        raise NotImplementedError
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter ``name`` in the backend (called by :meth:`remove_lora`)."""
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        """Load the adapter at ``lora_path`` as ``lora_name`` (genlm-backend's name); loading under a
+        loaded name replaces that adapter. Use it per call with ``lora_name=``."""
+        if lora_name in getattr(self, "adapters", {}):
+            self.remove_lora(lora_name)
+        self.load_lora(lora_path, lora_name)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload adapter ``lora_name`` and drop the rows cached for it."""
         self.ensure_open()
-        if name not in self.adapters:
-            raise ValueError(f"LoRA adapter {name!r} is not loaded; loaded: {sorted(self.adapters)}")
-        self._active_lora = name
+        if lora_name not in self.adapters:
+            raise ValueError(f"LoRA adapter {lora_name!r} is not loaded; loaded: {sorted(self.adapters)}")
+        with self.model_lock:  # type: ignore[attr-defined]
+            self.unload_lora(lora_name)
+            del self.adapters[lora_name]
+            self.cache.clear()  # type: ignore[attr-defined]
+            self.clear_backend_cache()  # type: ignore[attr-defined]  # KV states computed under it
+            if self._active_lora == lora_name:
+                self._active_lora = None
+
+    def set_lora(self, lora_path: str | None, lora_name: str = "lora_1") -> None:
+        """Make adapter ``lora_name`` active for requests that name none, loading it from ``lora_path``
+        first if it is not loaded (genlm-backend's ``set_lora(lora_path, lora_name)``). For an adapter
+        already loaded, ``lora_path`` may be None. Per-request ``lora_name=`` needs no active adapter."""
+        self.ensure_open()
+        if lora_path is not None and lora_name not in self.adapters:
+            self.load_lora(lora_path, lora_name)
+        self._active_lora = self.adapter_for(lora_name)
 
     def clear_lora(self) -> None:
-        """Use the base model again for the following requests."""
+        """Use the base model again for requests that name no adapter."""
         self.ensure_open()
         self._active_lora = None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from genlm_core.closing import CLOSED, Closed
 from genlm_core.errors import ClosedError
 from genlm_core.lm import AsyncLM
 from genlm_core.validation import as_bytes, check_bool, check_int, check_real, check_seed, is_int
@@ -31,27 +33,30 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BeamParams:
-    """Parameters of the byte beam.
+    """Parameters of the byte beam; the fields, their order and defaults are genlm-bytes'.
 
     ``K``: beam width. ``prune_threshold``: drop hypotheses whose share of the beam's mass is at most
-    this. ``eos_tokens``: EOS tokens (a list of ``Token`` objects, ids or byte strings); by default the
-    tokenizer's EOS. ``heal``: re-tokenize when no hypothesis can take the next byte, backing off at
-    most ``heal_max_backoff`` bytes and committing at most ``heal_max_splits`` extra tokens.
-    ``verbose``: log the beam after every byte (logger ``genlm_core.bytes.beam``, INFO).
+    this. ``verbose``: log the beam after every byte (logger ``genlm_core.bytes.beam``, INFO).
+    ``eos_byte_strings``: the tokens that end the text (a list of byte strings, ``Token`` objects or
+    token ids; a byte string means every token with those bytes); None means none, so the text never
+    ends. ``heal``: re-tokenize when no hypothesis can take the next byte, backing off at most
+    ``heal_max_backoff`` bytes and committing at most ``heal_max_splits`` extra tokens.
+    ``eos_tokens``: genlm-bytes' older name for ``eos_byte_strings`` (DeprecationWarning).
 
     Every field is checked at construction: ``K`` an integer >= 1, ``prune_threshold`` in
-    ``[0, 1)``, the healing limits None or integers >= 0, ``eos_tokens`` a list (a bare ``b"</s>"``
+    ``[0, 1)``, the healing limits None or integers >= 0, the EOS tokens a list (a bare ``b"</s>"``
     would be read as four token ids, so it is a TypeError).
     """
 
     K: int
     prune_threshold: float = 0.0
-    eos_tokens: Iterable[Any] | None = None
+    verbose: bool = False
+    eos_byte_strings: Iterable[Any] | None = None
     heal: bool = True
     heal_max_backoff: int | None = None
     heal_max_splits: int | None = None
-    verbose: bool = False
-    log_prune_threshold: float = field(init=False)
+    eos_tokens: Iterable[Any] | None = None
+    log_prune_threshold: float = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.K = check_int(self.K, "K", 1)
@@ -63,7 +68,12 @@ class BeamParams:
             if value is not None:
                 setattr(self, name, check_int(value, name, 0))
         if self.eos_tokens is not None:
-            self.eos_tokens = check_eos_tokens(self.eos_tokens)
+            if self.eos_byte_strings is not None:
+                raise TypeError("give eos_byte_strings or its older name eos_tokens, not both")
+            warnings.warn("BeamParams: eos_tokens is deprecated; use eos_byte_strings", DeprecationWarning, 2)
+            self.eos_byte_strings, self.eos_tokens = self.eos_tokens, None
+        if self.eos_byte_strings is not None:
+            self.eos_byte_strings = check_eos_tokens(self.eos_byte_strings)
         self.log_prune_threshold = math.log(self.prune_threshold) if self.prune_threshold > 0 else -math.inf
 
 
@@ -71,27 +81,26 @@ def check_eos_tokens(eos_tokens: Any) -> list[Any]:
     """EOS tokens as a list of Tokens, ids (integers >= 0) and byte strings; TypeError/ValueError otherwise."""
     if isinstance(eos_tokens, (bytes, bytearray, str)) or is_int(eos_tokens):
         raise TypeError(
-            f"eos_tokens must be a list of tokens, got the single value {eos_tokens!r}: write [{eos_tokens!r}]"
+            f"eos_byte_strings must be a list of tokens, got the single value {eos_tokens!r}: write [{eos_tokens!r}]"
         )
     if not isinstance(eos_tokens, Iterable):
-        raise TypeError(f"eos_tokens must be a list of Tokens, token ids or byte strings, got {eos_tokens!r}")
+        raise TypeError(f"eos_byte_strings must be a list of Tokens, token ids or byte strings, got {eos_tokens!r}")
     out: list[Any] = []
     for t in eos_tokens:
         if isinstance(t, (bytes, bytearray)):  # a Token is bytes too, and keeps its id
             out.append(t)
         elif is_int(t):
-            out.append(check_int(t, "eos_tokens entry", 0))
+            out.append(check_int(t, "eos_byte_strings entry", 0))
         else:
-            raise TypeError(f"eos_tokens entries must be Tokens, token ids or byte strings, got {t!r}")
+            raise TypeError(f"eos_byte_strings entries must be Tokens, token ids or byte strings, got {t!r}")
     return out
 
 
 def eos_spec(lm: AsyncLM, eos_tokens: Iterable[Any] | None) -> tuple[list[int], list[bytes]]:
     """EOS token ids and byte strings from ``eos_tokens`` (Tokens keep their id; ints are ids; bytes
-    mean every token with those bytes). Default: the tokenizer's EOS token."""
+    mean every token with those bytes). None: no EOS."""
     if eos_tokens is None:
-        eos_id = getattr(lm.tokenizer, "eos_token_id", None)
-        return ([int(eos_id)] if eos_id is not None else []), []
+        return [], []
     ids, strings = [], []
     for t in eos_tokens:
         if hasattr(t, "token_id"):
@@ -122,11 +131,11 @@ class ByteBeamState:
         cls,
         lm: AsyncLM,
         params: BeamParams,
+        trie_opts: dict[str, Any] | None = None,
         *,
         trie: AsyncTokenByteTrie | None = None,
         initial_context: list[int] | None = None,
         max_context_length: int | None = None,
-        trie_opts: dict[str, Any] | None = None,
     ) -> ByteBeamState:
         """The beam before any byte. ``trie`` can be shared between beams over the same model and EOS;
         ``trie_opts`` go to :meth:`AsyncTokenByteTrie.from_vocab` (engine, atomic_byte_strings, ...)."""
@@ -140,7 +149,7 @@ class ByteBeamState:
         if max_context_length is not None:
             max_context_length = check_int(max_context_length, "max_context_length", 1)
         if trie is None:
-            ids, strings = eos_spec(lm, params.eos_tokens)
+            ids, strings = eos_spec(lm, params.eos_byte_strings)
             trie = AsyncTokenByteTrie.from_vocab(
                 lm.byte_vocab, eos_token_ids=ids, eos_byte_strings=strings, **(trie_opts or {})
             )
@@ -298,11 +307,16 @@ class ByteBeamState:
             out.append(b)
         return bytes(out)
 
-    def cleanup(self) -> None:
+    def close(self) -> None:
         """Stop the byte trie's worker thread (shared by every beam built from this one): every later
         call on those beams raises ClosedError. Calling it again is harmless."""
         if self.trie is not None:
-            self.trie.cleanup()
+            self.trie.close()
+
+    def cleanup(self) -> Closed:
+        """:meth:`close`; the result may be awaited, as genlm-bytes' ``await beam.cleanup()``."""
+        self.close()
+        return CLOSED
 
     def __repr__(self) -> str:
         lines = [f"logZ: {self.logZ:.4f}"]

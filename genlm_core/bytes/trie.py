@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from genlm_core.batching import AutoBatcher, ContentKey
+from genlm_core.closing import CLOSED, Closed
 from genlm_core.plugins import get_plugins
 from genlm_core.trie.async_trie import stack_rows
 from genlm_core.trie.base import TrieBase
 from genlm_core.trie.index import END
-from genlm_core.validation import as_bytes, check_batcher_numbers, check_token_id_set, check_vocabulary
+from genlm_core.validation import as_bytes, check_batcher_numbers, check_int, check_token_id_set, check_vocabulary
 
 from .probs import EOS, EOT
 
@@ -44,8 +45,20 @@ def _gather_leaves(
     return total, -1
 
 
+def _one_of(value: Any, alias: Any, name: str, alias_name: str) -> Any:
+    """The value given under ``name`` or its older name ``alias_name``; TypeError when both are given."""
+    if alias is not None:
+        if value is not None:
+            raise TypeError(f"give {name} or its older name {alias_name}, not both")
+        return alias
+    return value
+
+
 def check_mode(mode: Any) -> TrieMode:
-    """``mode`` as a :class:`TrieMode` (its value strings are accepted too)."""
+    """``mode`` as a :class:`TrieMode` (its value strings are accepted too); None means WITHOUT_EOS, as in
+    genlm-bytes."""
+    if mode is None:
+        return TrieMode.WITHOUT_EOS
     try:
         return TrieMode(mode)
     except ValueError:
@@ -96,22 +109,46 @@ class TrieMode(Enum):
 class TokenByteTrie:
     """A byte-level view of the vocabulary ``decode`` (token id ``i`` is ``decode[i]``).
 
-    Node values are masses: ``weight_sum(probs, mode)`` gives ``(masses, eos_mass)`` where
-    ``masses[n]`` is the probability that the next token starts with node ``n``'s bytes and
-    ``eos_mass`` that it is an EOS token (WITH_EOS; 0 WITHOUT_EOS). The EOS node is the virtual node
-    number ``eos_node`` (just past the engine's nodes), reached from the root by the EOS symbol.
+    Node values are masses: ``weight_sum(probs, mode)`` gives one value per node (``num_nodes``), where
+    ``masses[n]`` is the probability that the next token starts with node ``n``'s bytes, and
+    ``masses[eos_node]`` that it is an EOS token (WITH_EOS; 0 WITHOUT_EOS). The EOS node is a virtual
+    node just past the engine's nodes, reached from the root by the EOS symbol.
+
+    The arguments are genlm-bytes' (``decode, device, atomic_byte_strings, eot_sentinel,
+    eos_byte_strings, max_batch_size``) plus ours: ``engine`` picks the trie engine (default ``"numba"``
+    on CPU; ``device="cuda"`` alone picks ``"torch"``), ``eos_token_ids`` names EOS tokens by id (where
+    byte strings are ambiguous), and ``engine_kwargs`` go to the engine. genlm-bytes' older keyword names
+    ``atomic_tokens``, ``eot_token`` and ``eos_tokens`` are accepted too.
     """
 
     def __init__(
         self,
         decode: Sequence[bytes],
+        device: str | None = None,
+        atomic_byte_strings: Iterable[bytes] | None = None,
+        eot_sentinel: Any = None,
+        eos_byte_strings: Iterable[bytes] | None = None,
+        max_batch_size: int = 64,
         *,
-        engine: str = "numba",
-        eos_byte_strings: Iterable[bytes] = (),
+        engine: str | None = None,
         eos_token_ids: Iterable[int] = (),
-        atomic_byte_strings: Iterable[bytes] = (),
+        atomic_tokens: Iterable[bytes] | None = None,
+        eot_token: Any = None,
+        eos_tokens: Iterable[bytes] | None = None,
         **engine_kwargs: Any,
     ):
+        atomic_byte_strings = _one_of(atomic_byte_strings, atomic_tokens, "atomic_byte_strings", "atomic_tokens")
+        eos_byte_strings = _one_of(eos_byte_strings, eos_tokens, "eos_byte_strings", "eos_tokens")
+        if _one_of(eot_sentinel, eot_token, "eot_sentinel", "eot_token") is not None:
+            raise ValueError(
+                "eot_sentinel: only None is supported; the end of a token is the symbol EOT (256) in "
+                "genlm_core.bytes, whatever the sentinel"
+            )
+        self.max_batch_size = check_int(max_batch_size, "max_batch_size", 1)
+        if engine is None:
+            engine = "torch" if device is not None and str(device) != "cpu" else "numba"
+        if device is not None and engine != "numba":
+            engine_kwargs["device"] = device
         self.decode = check_vocabulary(decode, "decode")
         if not self.decode:
             raise ValueError("cannot build a byte trie over an empty vocabulary")
@@ -130,9 +167,9 @@ class TokenByteTrie:
             return out
 
         self.eos_token_ids = sorted(
-            ids_of(eos_byte_strings, "EOS") | check_token_id_set(eos_token_ids, len(self.decode), "eos_token_ids")
+            ids_of(eos_byte_strings or (), "EOS") | check_token_id_set(eos_token_ids, len(self.decode), "eos_token_ids")
         )
-        self.atomic_token_ids = sorted(ids_of(atomic_byte_strings, "atomic"))
+        self.atomic_token_ids = sorted(ids_of(atomic_byte_strings or (), "atomic"))
         self.root = self.trie.root
         self.eos_node = self.trie.num_nodes
         self.num_nodes = self.trie.num_nodes + 1
@@ -219,25 +256,39 @@ class TokenByteTrie:
             ws[..., zeroed] = 0.0
         return ws
 
-    def batch_weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, np.ndarray]:
-        """``(masses [batch, nodes], eos_mass [batch])`` for probability vectors ``ws`` ``[batch, vocab]``."""
+    def batch_weight_sum(self, ws: Any, mode: TrieMode | None = None) -> np.ndarray:
+        """Masses ``[batch, num_nodes]`` for probability vectors ``ws`` ``[batch, vocab]`` (see :meth:`weight_sum`)."""
         return self._masses(self.trie.check_weights(ws), check_mode(mode))
 
-    def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
-        """``(masses [nodes], eos_mass)`` for one probability vector (a batch: :meth:`batch_weight_sum`)."""
-        masses, eos = self._masses(self.trie.check_weights(ws, single=True), check_mode(mode))
-        return masses[0], float(eos[0])
+    def weight_sum(self, ws: Any, mode: TrieMode | None = None) -> np.ndarray:
+        """Masses ``[num_nodes]`` of one probability vector; the last entry (``eos_node``) is the EOS mass.
 
-    def _masses(self, checked: Any, mode: TrieMode) -> tuple[np.ndarray, np.ndarray]:
+        ``mode`` None is WITHOUT_EOS. A batch is refused: use :meth:`batch_weight_sum`."""
+        return self._masses(self.trie.check_weights(ws, single=True), check_mode(mode))[0]
+
+    def batch_weight_max(self, ws: Any) -> np.ndarray:
+        """Per-node max ``[batch, num_nodes]`` of weights ``ws`` (log space welcome; the EOS node gets -inf)."""
+        out = np.asarray(self.trie.batch_weight_max(ws), dtype=np.float64)
+        return np.concatenate([out, np.full((out.shape[0], 1), -np.inf)], axis=1)
+
+    def weight_max(self, ws: Any) -> np.ndarray:
+        """Per-node max ``[num_nodes]`` of one weight vector (see :meth:`batch_weight_max`)."""
+        out = np.asarray(self.trie.weight_max(ws), dtype=np.float64)
+        return np.append(out, -np.inf)
+
+    def _masses(self, checked: Any, mode: TrieMode) -> np.ndarray:
         if isinstance(checked, torch.Tensor):
             checked = checked.detach().cpu().numpy()
-        masses = np.asarray(self.trie._reduce(self._prepare(checked, mode), "sum"))
-        masses[:, self.root] = checked.sum(axis=1, dtype=np.float64)  # EOS and atomic mass count at the root
+        out = np.empty((checked.shape[0], self.num_nodes))
+        for lo in range(0, checked.shape[0], self.max_batch_size):
+            rows = checked[lo : lo + self.max_batch_size]
+            out[lo : lo + len(rows), : self.eos_node] = self.trie._reduce(self._prepare(rows, mode), "sum")
+        out[:, self.root] = checked.sum(axis=1, dtype=np.float64)  # EOS and atomic mass count at the root
         if mode is TrieMode.WITH_EOS and self.eos_token_ids:
-            eos = checked[:, self.eos_token_ids].sum(axis=1, dtype=np.float64)
+            out[:, self.eos_node] = checked[:, self.eos_token_ids].sum(axis=1, dtype=np.float64)
         else:
-            eos = np.zeros(checked.shape[0])
-        return masses, eos
+            out[:, self.eos_node] = 0.0
+        return out
 
 
 class AsyncTokenByteTrie:
@@ -248,7 +299,7 @@ class AsyncTokenByteTrie:
             raise TypeError(f"trie must be a TokenByteTrie, got {type(trie).__name__}")
         self.trie = trie
         # timeout 0: the requests of one beam step are all issued before the event loop turns
-        self.batcher: AutoBatcher[tuple[TrieMode, Any], tuple[np.ndarray, float]] = AutoBatcher(
+        self.batcher: AutoBatcher[tuple[TrieMode | None, Any], np.ndarray] = AutoBatcher(
             self._process, batch_size=batch_size, timeout=timeout, run_in_thread=True, name="byte-trie"
         )
 
@@ -260,14 +311,15 @@ class AsyncTokenByteTrie:
         check_batcher_numbers(batch_size, timeout)  # before the (slower) build
         return cls(TokenByteTrie(vocab, **trie_kwargs), batch_size=batch_size, timeout=timeout)
 
-    def _process(self, items: list[tuple[TrieMode, np.ndarray]]) -> list[tuple[np.ndarray, float]]:
+    def _process(self, items: list[tuple[TrieMode | None, np.ndarray]]) -> list[np.ndarray]:
         results: list[Any] = [None] * len(items)
-        for mode in TrieMode:
+        for mode in (*TrieMode, None):  # None: weight_max
             picked = [i for i, (m, _) in enumerate(items) if m is mode]
             if picked:
-                masses, eos = self.trie._masses(stack_rows([items[i][1] for i in picked]), mode)
+                rows = stack_rows([items[i][1] for i in picked])
+                values = self.trie._masses(rows, mode) if mode is not None else self.trie.batch_weight_max(rows)
                 for j, i in enumerate(picked):
-                    results[i] = (masses[j], float(eos[j]))
+                    results[i] = values[j]
         return results
 
     @property
@@ -275,19 +327,32 @@ class AsyncTokenByteTrie:
         """Whether :meth:`cleanup` has been called."""
         return self.batcher.closed
 
-    async def weight_sum(self, ws: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> tuple[np.ndarray, float]:
-        """``(masses, eos_mass)`` for one probability vector, checked and copied when submitted (a bad
-        vector fails alone, at once; later changes to the caller's array do not change the result)."""
-        self.batcher.ensure_open()  # a closed trie says so before it looks at the weights
-        mode = check_mode(mode)
-        row = self.trie.trie.check_weights(ws, single=True, copy=True)[0]
-        return await self.batcher.submit(ContentKey(mode, row), (mode, row))
+    async def weight_sum(self, ws: Any, mode: TrieMode | None = None) -> np.ndarray:
+        """:meth:`TokenByteTrie.weight_sum` of one probability vector, batched with concurrent calls.
 
-    def cleanup(self) -> None:
+        ``ws`` is checked and copied when submitted: a bad vector fails alone, at once, and later changes
+        to the caller's array do not change the result."""
+        self.batcher.ensure_open()  # a closed trie says so before it looks at the weights
+        checked = check_mode(mode)
+        row = self.trie.trie.check_weights(ws, single=True, copy=True)[0]
+        return await self.batcher.submit(ContentKey(checked, row), (checked, row))
+
+    async def weight_max(self, ws: Any) -> np.ndarray:
+        """:meth:`TokenByteTrie.weight_max` of one weight vector, batched with concurrent calls."""
+        self.batcher.ensure_open()
+        row = self.trie.trie.check_weights(ws, allow_neg_inf=True, single=True, copy=True)[0]
+        return await self.batcher.submit(ContentKey("max", row), (None, row))
+
+    def close(self) -> None:
         """Stop the worker thread; later calls raise ClosedError. Calling it again is harmless."""
         self.batcher.close()
 
-    shutdown = cleanup
+    shutdown = close
+
+    def cleanup(self) -> Closed:
+        """:meth:`close`; the result may be awaited, as genlm-bytes' ``await trie.cleanup()``."""
+        self.close()
+        return CLOSED
 
 
 __all__ = ["EOS", "EOT", "AsyncTokenByteTrie", "TokenByteTrie", "TrieMode"]

@@ -117,7 +117,9 @@ def check_sampling(lm: AsyncLM, prompt: Sequence[int]) -> None:
     top = int(lm.next_token_logprobs_sync(prompt).argmax())
     greedy = asyncio.run(lm.sample(prompt, 3, [], temperature=0.0))
     assert len(greedy) == 3 and greedy[0] == top, f"greedy sample {greedy} does not start with the argmax {top}"
-    assert asyncio.run(lm.sample(prompt, 3, [top], temperature=0.0)) == [top], "sampling did not stop at the EOS"
+    assert asyncio.run(lm.sample(prompt, 3, [top], temperature=0.0)) == [], (
+        "sampling did not stop at the EOS (unreturned)"
+    )
     assert asyncio.run(lm.sample(prompt, 0, [])) == [], "max_tokens=0 sampled something"
     first = asyncio.run(lm.sample(prompt, 4, [], seed=1234))
     assert first == asyncio.run(lm.sample(prompt, 4, [], seed=1234)), "the same seed gave another sample"

@@ -74,11 +74,20 @@ def _backend(tokenizer: Any) -> Any:
     return backend
 
 
-def decode_vocabulary(tokenizer: Tokenizer, *, check: bool = True) -> Vocabulary:
+#: How ``str_vocab`` writes a token whose bytes are not valid UTF-8 (genlm-backend's choices).
+BYTE2STR_FALLBACKS = ("tokenizer", "latin1", "replace")
+
+
+def decode_vocabulary(tokenizer: Tokenizer, *, check: bool = True, byte2str_fallback: str = "tokenizer") -> Vocabulary:
     """Decode every token id of ``tokenizer`` to its exact bytes (see module docstring).
 
     ``check`` runs a round trip on :data:`PROBE_TEXT` and raises if the bytes do not reproduce it.
+    ``byte2str_fallback`` says how ``str_vocab`` writes tokens whose bytes are not valid UTF-8:
+    ``"tokenizer"`` (the tokenizer's own piece, e.g. GPT-2's ``"Ã"``; the default, as in genlm-backend),
+    ``"latin1"`` (the bytes read as Latin-1) or ``"replace"`` (``"\ufffd"`` for each bad sequence).
     """
+    if byte2str_fallback not in BYTE2STR_FALLBACKS:
+        raise ValueError(f"byte2str_fallback must be one of {BYTE2STR_FALLBACKS}, got {byte2str_fallback!r}")
     name = type(tokenizer).__name__
     backend = _backend(tokenizer)
     vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
@@ -122,31 +131,45 @@ def decode_vocabulary(tokenizer: Tokenizer, *, check: bool = True) -> Vocabulary
     for i, piece in enumerate(pieces):
         if piece is None:
             missing.append(i)
-            byte_vocab.append(Token(b"", i))
+            byte_vocab.append(Token(i, b""))
         elif i in added:
-            byte_vocab.append(Token(added[i].content.encode("utf-8"), i))
+            byte_vocab.append(Token(i, added[i].content.encode("utf-8")))
         else:
-            byte_vocab.append(Token(to_bytes(piece), i))
+            byte_vocab.append(Token(i, to_bytes(piece)))
     if missing:
         log.warning("%s: %d ids below %d have no token; they get -inf logprob", name, len(missing), size)
-    str_vocab: list[str] = [t.decode("utf-8", errors="replace") for t in byte_vocab]
+    str_vocab = [_to_str(t, pieces[i], byte2str_fallback) for i, t in enumerate(byte_vocab)]
     if check:
         _check_round_trip(tokenizer, name, byte_vocab)
     return Vocabulary(byte_vocab, str_vocab, missing)
 
 
-def decode_vocab(tokenizer: Tokenizer, *, check: bool = True) -> tuple[list[Token], list[str]]:
-    """``(byte_vocab, str_vocab)`` of ``tokenizer``: ``byte_vocab[i]`` is the exact bytes of id ``i``.
+def _to_str(token: bytes, piece: str | None, fallback: str) -> str:
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        if fallback == "latin1":
+            return token.decode("latin-1")
+        if fallback == "tokenizer" and piece is not None:
+            return piece
+        return token.decode("utf-8", errors="replace")
+
+
+def decode_vocab(
+    tokenizer: Tokenizer, byte2str_fallback: str = "tokenizer", *, check: bool = True
+) -> tuple[list[Token], list[str]]:
+    """``(byte_vocab, str_vocab)`` of ``tokenizer``: ``byte_vocab[i]`` is the exact bytes of id ``i``;
+    ``str_vocab[i]`` its text (``byte2str_fallback``: see :func:`decode_vocabulary`).
 
     >>> from genlm_core.testing.tokenizers import toy_tokenizer
     >>> tok = toy_tokenizer()
     >>> byte_vocab, str_vocab = decode_vocab(tok)
-    >>> [byte_vocab[i] for i in tok.encode("the abc")]
-    [Token(b'the', token_id=258), Token(b' a', token_id=259), Token(b'b', token_id=99), Token(b'c', token_id=100)]
+    >>> [byte_vocab[i] for i in tok.encode("the abc")][:2]
+    [Token(token_id=258, byte_string=b'the'), Token(token_id=259, byte_string=b' a')]
     >>> byte_vocab[tok.eos_token_id], str_vocab[257]
-    (Token(b'<eos>', token_id=0), 'th')
+    (Token(token_id=0, byte_string=b'<eos>'), 'th')
     """
-    vocab = decode_vocabulary(tokenizer, check=check)
+    vocab = decode_vocabulary(tokenizer, check=check, byte2str_fallback=byte2str_fallback)
     return vocab.byte_vocab, vocab.str_vocab
 
 

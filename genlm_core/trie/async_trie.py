@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from genlm_core.batching import AutoBatcher, ContentKey
+from genlm_core.closing import CLOSED, Closed
 from genlm_core.plugins import get_plugins
 from genlm_core.trie.base import TrieBase
 from genlm_core.validation import check_batcher_numbers, check_vocabulary
@@ -64,7 +65,7 @@ class AsyncTokenCharacterTrie:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`cleanup` has been called."""
+        """Whether :meth:`close` (or :meth:`cleanup`) has been called."""
         return self.batcher.closed
 
     async def _submit(self, op: str, ws: Any) -> np.ndarray:
@@ -80,8 +81,13 @@ class AsyncTokenCharacterTrie:
         """Per-node maxima for one weight vector, batched with concurrent calls."""
         return await self._submit("max", ws)
 
-    def cleanup(self) -> None:
+    def close(self) -> None:
         """Stop the worker thread; later calls raise ClosedError. Calling it again is harmless."""
         self.batcher.close()
 
-    shutdown = cleanup
+    shutdown = close
+
+    def cleanup(self) -> Closed:
+        """:meth:`close`; the result may be awaited, as genlm-backend's ``await trie.cleanup()``."""
+        self.close()
+        return CLOSED

@@ -233,8 +233,10 @@ async def test_async_tries_refuse_bad_weights_alone_and_keep_serving():
         )
         np.testing.assert_allclose(results[0], char.trie.weight_sum(good), rtol=1e-12)
         assert all(isinstance(r, (TypeError, ValueError)) for r in results[1:]), results[1:]
+    # mode None is WITHOUT_EOS, as in genlm-bytes (it used to return None)
+    np.testing.assert_allclose(await byte.weight_sum(good, mode=None), byte.trie.weight_sum(good), rtol=1e-12)
     with pytest.raises(ValueError, match="mode must be TrieMode"):
-        await byte.weight_sum(good, mode=None)  # used to return None
+        await byte.weight_sum(good, mode="sideways")
     char.cleanup()
     byte.cleanup()
     with pytest.raises(ClosedError):
@@ -367,7 +369,7 @@ def test_beam_reads_a_str_as_its_utf8_bytes(toy_lm):
 
 @SETTINGS
 @given(
-    field=st.sampled_from(["K", "prune_threshold", "heal_max_backoff", "heal_max_splits", "heal", "eos_tokens"]),
+    field=st.sampled_from(["K", "prune_threshold", "heal_max_backoff", "heal_max_splits", "heal", "eos_byte_strings"]),
     value=st.one_of(
         st.floats(),
         st.integers(-3, 0),
@@ -385,7 +387,7 @@ def test_beam_params_refuse_bad_values(field, value):
         "heal_max_backoff": lambda v: v is None or (type(v) is int and v >= 0),
         "heal_max_splits": lambda v: v is None or (type(v) is int and v >= 0),
         "heal": lambda v: type(v) is bool,
-        "eos_tokens": lambda v: v is None,
+        "eos_byte_strings": lambda v: v is None,
     }[field]
     if valid(value):
         BeamParams(**args)
@@ -394,10 +396,10 @@ def test_beam_params_refuse_bad_values(field, value):
             BeamParams(**args)
 
 
-def test_eos_tokens_given_as_bare_bytes_is_refused_not_read_as_ids(toy_lm):
+def test_eos_given_as_bare_bytes_is_refused_not_read_as_ids(toy_lm):
     with pytest.raises(TypeError, match=r"write \[b'</s>'\]"):
-        BeamParams(K=2, eos_tokens=b"</s>")
-    params = BeamParams(K=2, eos_tokens=[b"<eos>"])
+        BeamParams(K=2, eos_byte_strings=b"</s>")
+    params = BeamParams(K=2, eos_byte_strings=[b"<eos>"])
 
     async def run():
         beam = await ByteBeamState.initial(toy_lm, params)
@@ -447,7 +449,9 @@ def test_mode_is_checked_on_the_sync_byte_trie():
     trie = TokenByteTrie(VOCAB)
     with pytest.raises(ValueError, match="mode must be TrieMode"):
         trie.weight_sum(np.ones(V), mode="sideways")
-    assert trie.weight_sum(np.ones(V), mode="with_eos")[0][0] == trie.weight_sum(np.ones(V), TrieMode.WITH_EOS)[0][0]
+    np.testing.assert_array_equal(
+        trie.weight_sum(np.ones(V), mode="with_eos"), trie.weight_sum(np.ones(V), TrieMode.WITH_EOS)
+    )
 
 
 # ---- constructors -------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_closed_model_raises_closed_error_on_every_call(backend):
     }
     if backend == "hf":
         calls["cache_kv"] = lambda: lm.cache_kv(ids)
-        calls["set_lora"] = lambda: lm.set_lora("x")
+        calls["set_lora"] = lambda: lm.set_lora(None, "x")
         calls["load_lora"] = lambda: lm.load_lora("/nonexistent")
     for name, call in calls.items():
         with pytest.raises(ClosedError, match="closed by cleanup"):

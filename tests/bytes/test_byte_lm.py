@@ -26,7 +26,10 @@ from genlm_mock import MockAsyncLM
 
 from .exact import Enumerator
 
-WIDE = BeamParams(K=10_000, heal=False)
+
+def wide(lm):
+    """A beam wide enough to be exact, ending text at the tokenizer's EOS."""
+    return BeamParams(K=10_000, heal=False, eos_byte_strings=[lm.tokenizer.eos_token_id])
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +52,7 @@ def test_wide_beam_equals_exact_marginalisation(request, which, text):
     eos = {lm.tokenizer.eos_token_id}
 
     async def main():
-        beam = await ByteBeamState.initial(lm, WIDE)
+        beam = await ByteBeamState.initial(lm, wide(lm))
         context = beam.states[0].lm_state.context
         after = await beam.prefill(text)
         exact = Enumerator(lm)
@@ -79,7 +82,7 @@ def test_prefill_equals_stepping_bytes_one_by_one(mock_lm):
 def test_eos_probability_is_logsumexp_of_eos_tokens(mock_lm):
     async def main():
         eos_ids = [0, 100]  # "<eos>" and the byte "c"
-        params = BeamParams(K=5, eos_tokens=[mock_lm.byte_vocab[0], 100])  # a Token and an id
+        params = BeamParams(K=5, eos_byte_strings=[mock_lm.byte_vocab[0], 100])  # a Token and an id
         beam = await ByteBeamState.initial(mock_lm, params)
         logprobs = await mock_lm.next_token_logprobs(beam.states[0].lm_state.context)
         q = await beam.logp_next()
@@ -91,11 +94,13 @@ def test_eos_probability_is_logsumexp_of_eos_tokens(mock_lm):
 
 
 def test_eos_token_given_as_token_is_not_lost(mock_lm):
-    trie = TokenByteTrie(mock_lm.byte_vocab, eos_byte_strings=[Token(b"<eos>", 0)])
+    trie = TokenByteTrie(mock_lm.byte_vocab, eos_byte_strings=[Token(0, b"<eos>")])
     assert trie.eos_token_ids == [0]
     ws = np.exp((mock_lm.next_token_logprobs_sync([1])).double().numpy())
-    with_eos, eos_with = trie.weight_sum(ws, TrieMode.WITH_EOS)
-    without, eos_without = trie.weight_sum(ws, TrieMode.WITHOUT_EOS)
+    with_eos = trie.weight_sum(ws, TrieMode.WITH_EOS)
+    without = trie.weight_sum(ws, TrieMode.WITHOUT_EOS)
+    assert with_eos.shape == without.shape == (trie.num_nodes,)
+    eos_with, eos_without = with_eos[trie.eos_node], without[trie.eos_node]
     assert eos_with == pytest.approx(ws[0]) and eos_without == 0
     lt = trie.node_of(b"<")
     assert without[lt] - with_eos[lt] == pytest.approx(ws[0])  # its mass left the byte path
@@ -111,7 +116,7 @@ def test_duplicate_tokens(mock_lm):
     eos = {tok.eos_token_id}
 
     async def main():
-        beam = await ByteBeamState.initial(lm, WIDE)
+        beam = await ByteBeamState.initial(lm, wide(lm))
         context = beam.states[0].lm_state.context
         after = await beam.prefill(b" the")
         exact = Enumerator(lm)
@@ -207,10 +212,9 @@ def test_async_byte_trie_batches(mock_lm):
         return await asyncio.gather(*(trie.weight_sum(w, TrieMode.WITH_EOS) for w in rows))
 
     out = asyncio.run(main())
-    for w, (masses, eos) in zip(rows, out):
-        want, want_eos = trie.trie.weight_sum(w, TrieMode.WITH_EOS)
-        np.testing.assert_allclose(masses, want)
-        assert eos == pytest.approx(want_eos) and eos > 0
+    for w, masses in zip(rows, out):
+        np.testing.assert_allclose(masses, trie.trie.weight_sum(w, TrieMode.WITH_EOS), rtol=1e-12)
+        assert masses[trie.trie.eos_node] == pytest.approx(w[0]) and w[0] > 0
     assert trie.batcher.stats.batches == 1
     trie.cleanup()
 

@@ -14,7 +14,12 @@ from genlm_core.testing.tokenizers import load_tokenizer
 
 from .exact import Enumerator
 
-WIDE = BeamParams(K=10**6, heal=False)
+
+def wide(lm):
+    """A beam wide enough to be exact, ending text at the tokenizer's EOS."""
+    return BeamParams(K=10**6, heal=False, eos_byte_strings=[lm.tokenizer.eos_token_id])
+
+
 REL = 1e-12  # the issue asks 1e-9; float64 accumulation gives ~1e-16, float32 probabilities ~1e-10
 
 
@@ -35,7 +40,7 @@ TEXTS = {
 
 
 async def prefilled(lm, text):
-    beam = await ByteBeamState.initial(lm, WIDE)
+    beam = await ByteBeamState.initial(lm, wide(lm))
     return beam, beam.states[0].lm_state.context, await beam.prefill(text)
 
 

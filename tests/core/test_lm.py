@@ -195,7 +195,7 @@ async def test_greedy_sampling_follows_the_model_and_stops_on_eos(lm):
     out = await lm.sample([10], max_tokens=5, eos_token_ids=[], temperature=0)
     assert out == [11, 12, 13, 14, 15]
     out = await lm.sample([10], max_tokens=50, eos_token_ids=[13], temperature=0)
-    assert out == [11, 12, 13]  # the EOS token is included, then it stops
+    assert out == [11, 12]  # it stops at the EOS token, which is not returned (genlm-backend's contract)
     assert await lm.sample([10], max_tokens=0, eos_token_ids=[]) == []
 
 

@@ -51,7 +51,7 @@ def test_matches_brute_force(make, data, vocab):
 
 @pytest.mark.parametrize("make", ENGINES, ids=ENGINE_IDS)
 def test_structure_and_maps(make):
-    vocab = [Token(b"ab", 0), Token(b"a", 1), Token(b"ab", 2), Token(b"", 3), Token(b"b", 4)]
+    vocab = [Token(0, b"ab"), Token(1, b"a"), Token(2, b"ab"), Token(3, b""), Token(4, b"b")]
     trie = make(vocab)
     # duplicate byte strings each get their own leaf
     leaves = trie.token_id_to_leaf

@@ -101,7 +101,8 @@ def test_duplicate_byte_strings_are_distinct_tokens():
     added = tok.convert_tokens_to_ids(" the")
     byte_vocab, _ = decode_vocab(tok)
     assert added != regular
-    assert byte_vocab[regular] == byte_vocab[added] == b" the"
+    assert byte_vocab[regular] == b" the" and byte_vocab[added] == b" the"
+    assert byte_vocab[regular] != byte_vocab[added]  # same bytes, different ids: distinct Tokens
     assert (byte_vocab[regular].token_id, byte_vocab[added].token_id) == (regular, added)
 
 

@@ -158,7 +158,7 @@ def test_sampling_batched_and_stops_on_eos(tiny):
     assert out == greedy
     eos = greedy[3]
     stop_at = greedy.index(eos)
-    assert asyncio.run(lm.sample(prompt, 6, eos_token_ids=[eos], temperature=0)) == greedy[: stop_at + 1]
+    assert asyncio.run(lm.sample(prompt, 6, eos_token_ids=[eos], temperature=0)) == greedy[:stop_at]
     lm.clear_cache()
     calls = lm.forward_calls
     outs = asyncio.run(lm.batch_sample([prompt, [8, 9], [10]], 5, eos_token_ids=[], seed=3))

@@ -52,14 +52,14 @@ def test_switching_adapters(adapters):
     assert (expected["a"] - expected[None]).abs().max() > 1e-2  # the adapters really change the model
     seen = {}
     for name in (None, "a", "b", None, "b", "a"):  # switch back and forth: cached results stay per adapter
-        lm.clear_lora() if name is None else lm.set_lora(name)
+        lm.clear_lora() if name is None else lm.set_lora(None, name)
         seen[name] = lm.next_token_logprobs_sync(ctx)
         assert (seen[name].double() - expected[name]).abs().max() <= TOL
         longer = ctx + [9, 10]
         row = lm.next_token_logprobs_sync(longer)  # extends this adapter's own KV states
         assert (row.double() - reference(base, paths.get(name), longer)).abs().max() <= TOL
     with pytest.raises(ValueError, match="not loaded"):
-        lm.set_lora("c")
+        lm.set_lora(None, "c")
 
 
 def test_adapters_in_one_batch(adapters):
@@ -68,7 +68,7 @@ def test_adapters_in_one_batch(adapters):
     ctx = [11, 12, 13]
 
     async def under(name):
-        lm.clear_lora() if name is None else lm.set_lora(name)
+        lm.clear_lora() if name is None else lm.set_lora(None, name)
         return await lm.next_token_logprobs(ctx)
 
     async def main():
@@ -77,3 +77,38 @@ def test_adapters_in_one_batch(adapters):
     rows = asyncio.run(main())
     for name, row in zip(("a", "b", None), rows):
         assert (row.double() - reference(base, paths.get(name), ctx)).abs().max() <= TOL
+
+
+def test_seed_lora_methods_and_per_request_lora_name(adapters):
+    """genlm-backend's API: add_new_lora(path, name), lora_name= per call, remove_lora(name)."""
+    base, paths = adapters
+    lm = AsyncTransformer.from_name(base, batch_size=8, timeout=0.01)
+    ctx = [11, 12, 13, 14]
+    lm.add_new_lora(paths["a"], "x")
+    lm.add_new_lora(paths["b"], "y")
+
+    async def main():
+        return await asyncio.gather(
+            lm.next_token_logprobs(ctx, lora_name="x"),
+            lm.next_token_logprobs(ctx, lora_name="y"),
+            lm.next_token_logprobs(ctx),
+        )
+
+    rows = asyncio.run(main())
+    for path, row in zip((paths["a"], paths["b"], None), rows):
+        assert (row.double() - reference(base, path, ctx)).abs().max() <= TOL
+    uncached = lm.next_token_logprobs_uncached(ctx, lora_name="x")
+    assert (uncached.double() - reference(base, paths["a"], ctx)).abs().max() <= TOL
+    batch = lm.batch_next_token_logprobs_sync([ctx, ctx[:2]], lora_name="y")
+    assert (batch[1].double() - reference(base, paths["b"], ctx[:2])).abs().max() <= TOL
+    lm.add_new_lora(paths["a"], "y")  # loading under a loaded name replaces that adapter
+    row = lm.next_token_logprobs_sync(ctx, lora_name="y")
+    assert (row.double() - reference(base, paths["a"], ctx)).abs().max() <= TOL
+    lm.remove_lora("x")
+    with pytest.raises(ValueError, match="not loaded"):
+        lm.next_token_logprobs_sync(ctx, lora_name="x")
+    with pytest.raises(ValueError, match="not loaded"):
+        lm.remove_lora("x")
+    lm.set_lora(paths["b"], "z")  # the older signature: load and activate
+    row = lm.next_token_logprobs_sync(ctx)
+    assert (row.double() - reference(base, paths["b"], ctx)).abs().max() <= TOL

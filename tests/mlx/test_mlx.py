@@ -95,7 +95,7 @@ def test_sampling_batched_and_stops_on_eos(pair):
     assert asyncio.run(mlx_lm.sample([5, 6], 6, eos_token_ids=[], temperature=0)) == greedy
     stop = greedy[2]
     out = asyncio.run(mlx_lm.sample([5, 6], 6, eos_token_ids=[stop], temperature=0))
-    assert out == greedy[: greedy.index(stop) + 1]
+    assert out == greedy[: greedy.index(stop)]  # the EOS that stopped it is dropped
     calls = mlx_lm.forward_calls
     outs = asyncio.run(mlx_lm.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
     assert [len(o) for o in outs] == [4, 4, 4] and mlx_lm.forward_calls - calls <= 5

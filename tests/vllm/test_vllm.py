@@ -93,9 +93,7 @@ def test_sampling_batched_and_stops_on_eos(engine, hf):
     greedy = asyncio.run(hf.sample([5, 6], 6, eos_token_ids=[], temperature=0))
     assert asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[], temperature=0)) == greedy
     stop = greedy[2]
-    assert (
-        asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[stop], temperature=0)) == greedy[: greedy.index(stop) + 1]
-    )
+    assert asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[stop], temperature=0)) == greedy[: greedy.index(stop)]
     calls = engine.generate_calls
     outs = asyncio.run(engine.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
     assert [len(o) for o in outs] == [4, 4, 4] and engine.generate_calls - calls == 1
@@ -175,11 +173,11 @@ def test_lora_per_request_matches_peft(path, tmp_path):
     try:
         lm.load_lora(str(tmp_path), "a")
         assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
-        lm.set_lora("a")
+        lm.set_lora(None, "a")
         assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_lora]) <= 1e-3  # adapter part of the cache key
         lm.clear_lora()
         assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
         with pytest.raises(ValueError, match="not loaded"):
-            lm.set_lora("b")
+            lm.set_lora(None, "b")
     finally:
         lm.cleanup()

@@ -102,7 +102,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         for name, path in o.lora.items():
             self.load_lora(path, name)
         if o.active_lora is not None:
-            self.set_lora(o.active_lora)
+            self.set_lora(None, o.active_lora)
 
     # ---- loading ------------------------------------------------------------------------------
 
@@ -198,6 +198,12 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         block = KVBlock([(layer.keys, layer.values) for layer in out.past_key_values.layers], mask)
         return out.logits[:, -1, :], block
 
+    @torch.no_grad()
+    def forward_uncached(self, request: Request) -> torch.Tensor:
+        with self._adapter_active(request.adapter):
+            ids = torch.tensor([request.token_ids], device=self.device)
+            return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+
     def cache_kv(self, prompt_tokens: Sequence[int]) -> None:
         """Run ``prompt_tokens`` now so that later requests extending it start from its KV states."""
         request = self.request(prompt_tokens)
@@ -223,7 +229,8 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
                 self.model = PeftModel.from_pretrained(self.model, path, adapter_name=name).eval()
             self.adapters[name] = path
 
-    add_new_lora = load_lora
+    def unload_lora(self, name: str) -> None:
+        self.model.delete_adapter(name)
 
     @contextlib.contextmanager
     def _adapter_active(self, adapter: str | None) -> Iterator[None]:

@@ -74,6 +74,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.context_limit = None if max_model_len is None else int(max_model_len) - 1
         self._tags = itertools.count()
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
+        self._lora_ids = 0
 
     @classmethod
     def from_name(cls, model: str, /, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
@@ -130,10 +131,12 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         eos_token_ids: Iterable[int],
         temperature: float = 1.0,
         seed: int | None = None,
+        lora_name: str | None = None,
     ) -> list[int]:
-        """vLLM's own sampling; concurrent calls share one ``generate``. Stops after one of
-        ``eos_token_ids`` (included in the result), not on the model's EOS otherwise."""
-        request = self.request(prompt_token_ids)
+        """vLLM's own sampling; concurrent calls share one ``generate``. Stops at one of
+        ``eos_token_ids`` (not included in the result, as in genlm-backend), not on the model's EOS
+        otherwise."""
+        request = self.request(prompt_token_ids, lora_name)
         max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
         if max_tokens == 0:
             return []
@@ -154,7 +157,11 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         ]
         with self.model_lock:
             outputs = self._generate([r.token_ids for r, *_ in items], params, [r.adapter for r, *_ in items])
-        return [list(out.outputs[0].token_ids) for out in outputs]
+        results = []
+        for (_, _, eos, *_), out in zip(items, outputs):
+            ids = list(out.outputs[0].token_ids)
+            results.append(ids[:-1] if ids and ids[-1] in eos else ids)
+        return results
 
     # ---- LoRA -----------------------------------------------------------------------------------
 
@@ -165,7 +172,11 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
             raise ValueError("this engine was started without enable_lora=True")
         from vllm.lora.request import LoRARequest
 
-        self.adapters[name] = LoRARequest(name, len(self.adapters) + 1, path)
+        self._lora_ids += 1  # vLLM keys adapters by int id: never reuse one
+        self.adapters[name] = LoRARequest(name, self._lora_ids, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.llm.llm_engine.remove_lora(self.adapters[name].lora_int_id)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
