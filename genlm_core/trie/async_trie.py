@@ -31,7 +31,9 @@ class AsyncTokenCharacterTrie:
     """
 
     def __init__(self, trie: TrieBase, batch_size: int = 128, timeout: float = 0.001):
-        if not isinstance(trie, TrieBase):
+        """``trie``: a trie engine (a :class:`TrieBase`, or any object with its ``check_weights`` and
+        ``reduce_checked``)."""
+        if not (hasattr(trie, "check_weights") and hasattr(trie, "reduce_checked")):
             raise TypeError(f"trie must be a trie engine (a TrieBase), got {type(trie).__name__}")
         self.trie = trie
         self.batcher: AutoBatcher[tuple[str, Any], np.ndarray] = AutoBatcher(
@@ -59,7 +61,7 @@ class AsyncTokenCharacterTrie:
         for op in ("sum", "max"):
             picked = [i for i, (o, _) in enumerate(items) if o == op]
             if picked:
-                for i, row in zip(picked, self.trie._reduce(stack_rows([items[i][1] for i in picked]), op)):
+                for i, row in zip(picked, self.trie.reduce_checked(stack_rows([items[i][1] for i in picked]), op)):
                     results[i] = row
         return results
 

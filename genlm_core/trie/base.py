@@ -164,6 +164,11 @@ class TrieBase(abc.ABC):
         """:meth:`weight_max` for a batch ``(batch, vocab)`` (or a list of vectors)."""
         return self._reduce(self.check_weights(ws, allow_neg_inf=True), "max")
 
+    def reduce_checked(self, ws: np.ndarray | torch.Tensor, op: str) -> Any:
+        """Node values ``[batch, num_nodes]`` of weights already checked by :meth:`check_weights`
+        (2-D); ``op`` is "sum" or "max". What :class:`AsyncTokenCharacterTrie` calls per batch."""
+        return self._reduce(ws, op)
+
     @abc.abstractmethod
     def _reduce(self, ws: np.ndarray | torch.Tensor, op: str) -> Any:
         """Node values ``[batch, num_nodes]`` for checked 2-D weights; ``op`` is "sum" or "max"."""

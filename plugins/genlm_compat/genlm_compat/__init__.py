@@ -1,0 +1,21 @@
+"""Run programs written for genlm-backend and genlm-bytes (genlm-control, llamppl) on genlm.
+
+``wrap(lm)`` gives any genlm ``AsyncLM`` genlm-backend's interface; ``install()`` makes genlm-backend's
+loaders build genlm models (``uninstall()`` restores it).
+"""
+
+from genlm_compat.install import install, installed, load, uninstall
+from genlm_compat.lm import CompatLM, wrap
+from genlm_compat.tries import CompatAsyncCharacterTrie, CompatCharacterTrie, CompatParallelCharacterTrie
+
+__all__ = [
+    "CompatAsyncCharacterTrie",
+    "CompatCharacterTrie",
+    "CompatLM",
+    "CompatParallelCharacterTrie",
+    "install",
+    "installed",
+    "load",
+    "uninstall",
+    "wrap",
+]

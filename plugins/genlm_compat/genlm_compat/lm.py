@@ -1,0 +1,221 @@
+"""``wrap(lm)``: a genlm :class:`~genlm_core.AsyncLM` seen through genlm-backend's interface."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from genlm.backend.tokenization import Token as SeedToken
+
+from genlm_core import AsyncLM
+from genlm_core.closing import Closed
+
+#: genlm backend name -> the genlm-backend class its wrapper subclasses (for llamppl's isinstance checks).
+SEED_CLASSES = {
+    "hf": "genlm.backend.llm.hf:AsyncTransformer",
+    "vllm": "genlm.backend.llm.vllm:AsyncVirtualLM",
+    "mock": "genlm.backend.llm.base:MockAsyncLM",
+    "mlx": "genlm.backend.llm.mlx:AsyncMlxLM",
+}
+BASE_CLASS = "genlm.backend.llm.base:AsyncLM"
+#: Top-level package of each genlm backend plugin -> its backend name.
+PACKAGES = {"genlm_hf": "hf", "genlm_vllm": "vllm", "genlm_mock": "mock", "genlm_mlx": "mlx"}
+
+
+def seed_class(backend: str | None) -> type:
+    """The genlm-backend class of ``backend`` (its base ``AsyncLM`` for backends it does not have)."""
+    module, _, name = SEED_CLASSES.get(backend or "", BASE_CLASS).partition(":")
+    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+
+
+def backend_of(lm: AsyncLM) -> str | None:
+    """The genlm backend name of ``lm``, from the plugin package that defines its class."""
+    for cls in type(lm).__mro__:
+        name = PACKAGES.get(cls.__module__.partition(".")[0])
+        if name:
+            return name
+    return None
+
+
+class CompatLM:
+    """genlm-backend's ``AsyncLM`` interface over a genlm :class:`~genlm_core.AsyncLM` (``genlm_lm``).
+
+    Each wrapper class also subclasses the matching genlm-backend class, so ``isinstance`` checks
+    written against genlm-backend pass; none of that class's code runs (every method it has is
+    defined here). Vocabulary entries are genlm-backend ``Token`` objects, built once. Sampling follows
+    genlm-backend's contract: a multinomial draw from ``softmax(logprobs / temperature)`` with a
+    ``torch.Generator`` seeded by ``seed``, stopping (and dropping) the EOS, every prompt of
+    ``batch_sample`` with the same seed. Anything else is looked up on ``genlm_lm``.
+    """
+
+    genlm_lm: AsyncLM
+
+    def __init__(self, lm: AsyncLM):  # genlm-backend's own __init__ is bypassed on purpose
+        self.genlm_lm = lm
+        self.tokenizer = lm.tokenizer
+        self.byte_vocab = [SeedToken(int(t.token_id), bytes(t)) for t in lm.byte_vocab]
+        self.str_vocab = lm.str_vocab
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "genlm_lm":  # not set yet: during unpickling or a failed __init__
+            raise AttributeError(name)
+        return getattr(self.genlm_lm, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.genlm_lm!r})"
+
+    # ---- logprobs ------------------------------------------------------------------------------
+
+    async def next_token_logprobs(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
+        return await self.genlm_lm.next_token_logprobs(token_ids, lora_name)
+
+    def next_token_logprobs_sync(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
+        return self.genlm_lm.next_token_logprobs_sync(token_ids, lora_name)
+
+    async def batch_next_token_logprobs(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> torch.Tensor:
+        return await self.genlm_lm.batch_next_token_logprobs(token_ids_list, lora_name)
+
+    def batch_next_token_logprobs_sync(
+        self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
+    ) -> torch.Tensor:
+        return self.genlm_lm.batch_next_token_logprobs_sync(token_ids_list, lora_name)
+
+    def next_token_logprobs_uncached(self, token_ids: Sequence[int], lora_name: str | None = None) -> torch.Tensor:
+        return self.genlm_lm.next_token_logprobs_uncached(token_ids, lora_name)
+
+    # ---- sampling, with genlm-backend's draws ---------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[int]:
+        lm = self.genlm_lm
+        max_tokens, eos, temperature, seed = lm.check_sampling(max_tokens, eos_token_ids, temperature, seed)
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        context = list(lm.request(prompt_token_ids, lora_name).token_ids)
+        out: list[int] = []
+        for _ in range(max_tokens):
+            logprobs = await lm.next_token_logprobs(context + out, lora_name)
+            if temperature == 0:
+                token = int(logprobs.argmax())
+            else:
+                probs = torch.softmax(logprobs / temperature, dim=-1)
+                token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+            if token in eos:
+                break
+            out.append(token)
+        return out
+
+    async def batch_sample(
+        self,
+        prompt_token_ids_list: Sequence[Sequence[int]],
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[list[int]]:
+        return list(
+            await asyncio.gather(
+                *(
+                    self.sample(p, max_tokens, eos_token_ids, temperature, seed, lora_name)
+                    for p in prompt_token_ids_list
+                )
+            )
+        )
+
+    # ---- caches, adapters, lifecycle ------------------------------------------------------------
+
+    def clear_cache(self) -> None:
+        self.genlm_lm.clear_cache()
+
+    def clear_kv_cache(self) -> None:
+        self.genlm_lm.clear_kv_cache()
+
+    def reset_async_queries(self) -> None:
+        self.genlm_lm.reset_async_queries()
+
+    def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
+        """Compute ``prompt_tokens`` now, so that later contexts extending it reuse its work."""
+        self.genlm_lm.next_token_logprobs_sync(prompt_tokens, lora_name)
+
+    def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
+        self._lora("add_new_lora")(lora_path, lora_name)
+
+    def remove_lora(self, lora_name: str) -> None:
+        self._lora("remove_lora")(lora_name)
+
+    def set_lora(self, lora_path: str | None, lora_name: str = "lora_1") -> None:
+        self._lora("set_lora")(lora_path, lora_name)
+
+    def clear_lora(self) -> None:
+        self._lora("clear_lora")()
+
+    def _lora(self, name: str) -> Any:
+        method = getattr(self.genlm_lm, name, None)
+        if method is None:
+            raise NotImplementedError(f"{type(self.genlm_lm).__name__} does not support LoRA adapters")
+        return method
+
+    def cleanup(self) -> Closed:
+        return self.genlm_lm.cleanup()
+
+    def __del__(self) -> None:  # genlm-backend's classes shut down in __del__; ours close explicitly
+        pass
+
+    async def __aenter__(self) -> CompatLM:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __enter__(self) -> CompatLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+_classes: dict[str | None, type] = {}
+_wrappers: weakref.WeakKeyDictionary[AsyncLM, CompatLM] = weakref.WeakKeyDictionary()
+
+
+def wrapper_class(backend: str | None) -> type:
+    """The wrapper class for a genlm backend: :class:`CompatLM` first, then its genlm-backend class."""
+    cls = _classes.get(backend)
+    if cls is None:
+        seed = seed_class(backend)
+        cls = type(f"Compat{seed.__name__}", (CompatLM, seed), {"__module__": __name__})
+        _classes[backend] = cls
+    return cls
+
+
+def wrap(lm: AsyncLM) -> CompatLM:
+    """``lm`` as an object genlm-control, genlm-bytes and llamppl accept wherever they take a
+    genlm-backend LM; the same wrapper each time for the same ``lm``. A wrapper is returned as is.
+
+    >>> from genlm_mock import MockAsyncLM
+    >>> from genlm.backend.llm import MockAsyncLM as SeedMock
+    >>> lm = wrap(MockAsyncLM.from_name("gpt2"))
+    >>> isinstance(lm, SeedMock), type(lm.byte_vocab[0]).__module__, lm.byte_vocab[13]
+    (True, 'genlm.backend.tokenization.token', Token(token_id=13, byte_string=b'.'))
+    """
+    if isinstance(lm, CompatLM):
+        return lm
+    if not isinstance(lm, AsyncLM):
+        raise TypeError(f"wrap() takes a genlm AsyncLM, got {type(lm).__name__}")
+    wrapper = _wrappers.get(lm)
+    if wrapper is None:
+        wrapper = _wrappers[lm] = wrapper_class(backend_of(lm))(lm)
+    return wrapper

@@ -1,0 +1,147 @@
+"""genlm-compat: genlm models and tries behind genlm-backend's interface, and two real client programs
+that give genlm-backend's outputs on genlm."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+genlm_backend = pytest.importorskip("genlm.backend", reason="genlm-compat needs genlm-backend")
+
+import genlm_compat  # noqa: E402
+from genlm.backend.llm import AsyncTransformer as SeedTransformer  # noqa: E402
+from genlm.backend.llm import MockAsyncLM as SeedMock  # noqa: E402
+from genlm.backend.tokenization import Token as SeedToken  # noqa: E402
+
+from genlm_core import load_model_by_name  # noqa: E402
+from genlm_core.testing.models import tiny_model_dir  # noqa: E402
+
+from .programs import control_program, llamppl_program  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(tiny_model_dir("llama", tokenizer="gpt2"))
+
+
+@pytest.fixture(scope="module")
+def seed_lm(model_dir):
+    lm = SeedTransformer.from_name(model_dir)
+    yield lm
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    lm = genlm_compat.load(model_dir, "hf")
+    yield lm
+    lm.cleanup()
+
+
+def test_wrap_has_the_seed_interface(ours, seed_lm):
+    assert isinstance(ours, SeedTransformer) and genlm_compat.wrap(ours) is ours
+    assert genlm_compat.wrap(ours.genlm_lm) is ours  # one wrapper (and one Token list) per model
+    assert all(type(t) is SeedToken for t in ours.byte_vocab)
+    assert ours.byte_vocab == seed_lm.byte_vocab and ours.str_vocab == seed_lm.str_vocab
+    ctx = seed_lm.tokenizer.encode("Hello there, how are")
+    want = seed_lm.next_token_logprobs_uncached(ctx)
+    for got in (
+        ours.next_token_logprobs_sync(ctx),
+        ours.next_token_logprobs_uncached(ctx),
+        asyncio.run(ours.next_token_logprobs(ctx)),
+        ours.batch_next_token_logprobs_sync([ctx[:2], ctx])[1],
+    ):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    ours.cache_kv(ctx[:3])
+    ours.clear_kv_cache()
+    ours.reset_async_queries()
+
+
+def test_sampling_follows_the_seeds_contract(ours, seed_lm):
+    """Same draws as genlm-backend: the EOS is dropped and batch_sample gives every prompt one seed."""
+    ctx = seed_lm.tokenizer.encode("Once upon a")
+    for seed in (1, 2, 3):
+        want = asyncio.run(seed_lm.sample(ctx, 6, [13], temperature=0.9, seed=seed))
+        assert asyncio.run(ours.sample(ctx, 6, [13], temperature=0.9, seed=seed)) == want
+    want = asyncio.run(seed_lm.batch_sample([ctx, ctx], 4, [], seed=5))
+    assert asyncio.run(ours.batch_sample([ctx, ctx], 4, [], seed=5)) == want and want[0] == want[1]
+
+
+def test_install_routes_the_seeds_loaders_and_uninstall_restores(model_dir):
+    from genlm.backend import load_model_by_name as seed_load
+    from genlm.backend.trie import AsyncTokenCharacterTrie
+
+    original_from_name = SeedMock.__dict__["from_name"]
+    genlm_compat.install()
+    genlm_compat.install()  # twice is harmless
+    try:
+        import genlm.backend as gb
+        import genlm.backend.trie as gbt
+
+        lm = gb.load_model_by_name(model_dir, backend="hf")
+        assert isinstance(lm, genlm_compat.CompatLM) and isinstance(lm, SeedTransformer)
+        mock = SeedMock.from_name("gpt2")
+        assert isinstance(mock.genlm_lm, load_model_by_name("gpt2", backend="mock").__class__)
+        assert gbt.AsyncTokenCharacterTrie is genlm_compat.CompatAsyncCharacterTrie
+        lm.cleanup()
+    finally:
+        genlm_compat.uninstall()
+        genlm_compat.uninstall()
+    import genlm.backend as gb
+    import genlm.backend.trie as gbt
+
+    assert gb.load_model_by_name is seed_load and gbt.AsyncTokenCharacterTrie is AsyncTokenCharacterTrie
+    assert SeedMock.__dict__["from_name"] is original_from_name and not genlm_compat.installed()
+
+
+@pytest.mark.parametrize("backend", ["sequential", "parallel"])
+async def test_tries_match_genlm_backends_structure_and_values(ours, backend):
+    """Same nodes, children, word2leaf and masses as genlm-backend's tries, EOS marker included."""
+    from genlm.backend.trie import AsyncTokenCharacterTrie as SeedAsyncTrie
+    from genlm.control.constant import EOS
+
+    vocab = [*ours.byte_vocab[:3000], EOS]
+    seed = SeedAsyncTrie.from_vocab(vocab, backend=backend)
+    mine = genlm_compat.CompatAsyncCharacterTrie.from_vocab(vocab, backend=backend)
+    s, m = seed.trie, mine.trie
+    assert len(s.children) == len(m.children) == m.num_nodes
+    assert set(s.word2leaf) == set(m.word2leaf)
+
+    def shape(trie, node):  # the subtree below node, by labels only (node numbers may differ)
+        return {label: shape(trie, child) for label, child in trie.children[node].items()}
+
+    assert shape(s, s.root) == shape(m, m.root)
+    ws = np.random.default_rng(0).random(len(vocab))
+    got, want = await mine.weight_sum(ws), await seed.weight_sum(ws)
+    # positive weights: genlm-backend's sequential weight_max starts from 0, wrong for log weights
+    got_max, want_max = await mine.weight_max(ws), await seed.weight_max(ws)
+    for word in s.word2leaf:
+        for path_s, path_m in ((s.word2leaf[word], m.word2leaf[word]),):
+            assert got[path_m] == pytest.approx(want[path_s], rel=1e-5)
+    for prefix in ([], [ord(" ")], [ord(" "), ord("t")], [EOS]):
+        ns, nm = s.root, m.root
+        for letter in prefix:
+            ns, nm = s.children[ns][letter], m.children[nm][letter]
+        assert got[nm] == pytest.approx(want[ns], rel=1e-5)  # genlm-backend's parallel trie sums in float32
+        assert got_max[nm] == pytest.approx(want_max[ns], rel=1e-6)
+    await mine.cleanup()
+    await seed.cleanup()
+
+
+def test_control_program_gives_genlm_backends_outputs(ours, seed_lm):
+    want = asyncio.run(control_program(seed_lm, seed=3))
+    got = asyncio.run(control_program(ours, seed=3))
+    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
+    for name in ("direct", "awrs"):
+        assert got[name]["contexts"] == want[name]["contexts"]
+        np.testing.assert_allclose(got[name]["log_weights"], want[name]["log_weights"], atol=1e-4, rtol=0)
+        assert got[name]["log_ml"] == pytest.approx(want[name]["log_ml"], abs=1e-4)
+
+
+def test_llamppl_program_gives_genlm_backends_outputs(ours, seed_lm):
+    want = asyncio.run(llamppl_program(seed_lm, seed=4))
+    got = asyncio.run(llamppl_program(ours, seed=4))
+    assert got["texts"] == want["texts"]
+    np.testing.assert_allclose(got["log_weights"], want["log_weights"], atol=1e-4, rtol=0)
