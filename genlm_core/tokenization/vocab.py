@@ -164,7 +164,8 @@ def decode_vocab(
     >>> from genlm_core.testing.tokenizers import toy_tokenizer
     >>> tok = toy_tokenizer()
     >>> byte_vocab, str_vocab = decode_vocab(tok)
-    >>> [byte_vocab[i] for i in tok.encode("the abc")][:2]
+    >>> ids = tok.encode("the abc")
+    >>> [byte_vocab[i] for i in ids[:2]]
     [Token(token_id=258, byte_string=b'the'), Token(token_id=259, byte_string=b' a')]
     >>> byte_vocab[tok.eos_token_id], str_vocab[257]
     (Token(token_id=0, byte_string=b'<eos>'), 'th')

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +20,16 @@ def stack_rows(rows: list[Any]) -> np.ndarray | torch.Tensor:
     return torch.stack(rows) if isinstance(rows[0], torch.Tensor) else np.stack(rows)
 
 
+class WeightTrie(Protocol):
+    """What :class:`AsyncTokenCharacterTrie` needs of a trie: :class:`TrieBase`'s checks and reduction."""
+
+    def check_weights(
+        self, ws: Any, allow_neg_inf: bool = False, *, single: bool = False, copy: bool = False
+    ) -> Any: ...
+
+    def reduce_checked(self, ws: Any, op: str) -> Any: ...
+
+
 class AsyncTokenCharacterTrie:
     """Batches concurrent weight_sum / weight_max requests into engine batch calls.
 
@@ -30,7 +40,7 @@ class AsyncTokenCharacterTrie:
     raises :class:`~genlm_core.errors.ClosedError`.
     """
 
-    def __init__(self, trie: TrieBase, batch_size: int = 128, timeout: float = 0.001):
+    def __init__(self, trie: TrieBase | WeightTrie, batch_size: int = 128, timeout: float = 0.001):
         """``trie``: a trie engine (a :class:`TrieBase`, or any object with its ``check_weights`` and
         ``reduce_checked``)."""
         if not (hasattr(trie, "check_weights") and hasattr(trie, "reduce_checked")):

@@ -27,7 +27,7 @@ async def control_program(lm: Any, seed: int = 0, n_particles: int = 6, max_toke
 
     llm = PromptedLLM(lm, eos_byte_strings=[b"."])
     llm.set_prompt_from_str(PROMPT)
-    fsa = BoolFSA.from_regex(r" [a-z]+( [a-z]+)*\.").coerce(llm, f=b"".join)
+    fsa = BoolFSA.from_regex(r" [a-z]+( [a-z]+)*").coerce(llm, f=b"".join)
     out: dict[str, Any] = {}
     for name, sampler in (("direct", direct_token_sampler(llm)), ("awrs", AWRS(llm, fsa))):
         seed_everything(seed)

@@ -36,7 +36,7 @@ def load(name: str, backend: str | None = None, llm_opts: dict[str, Any] | None 
     return wrap(genlm_load_model_by_name(name, backend=backend, llm_opts=opts))
 
 
-def _from_name(backend: str) -> classmethod:  # type: ignore[type-arg]
+def _from_name(backend: str) -> classmethod:
     def from_name(cls: type, model_name: str, **kwargs: Any) -> CompatLM:
         return load(model_name, backend, kwargs)
 

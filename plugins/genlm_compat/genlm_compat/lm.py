@@ -29,7 +29,7 @@ PACKAGES = {"genlm_hf": "hf", "genlm_vllm": "vllm", "genlm_mock": "mock", "genlm
 def seed_class(backend: str | None) -> type:
     """The genlm-backend class of ``backend`` (its base ``AsyncLM`` for backends it does not have)."""
     module, _, name = SEED_CLASSES.get(backend or "", BASE_CLASS).partition(":")
-    return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    return getattr(importlib.import_module(module), name)
 
 
 def backend_of(lm: AsyncLM) -> str | None:

@@ -29,7 +29,7 @@ def _key(item: Any) -> Any:
 class CompatCharacterTrie:
     """genlm-backend's ``TokenCharacterTrie`` interface over a genlm engine (``engine``)."""
 
-    engine_class: type = TokenCharacterTrie
+    engine_class: type[Any] = TokenCharacterTrie
 
     def __init__(self, decode: Sequence[Any], **engine_kwargs: Any):
         self.decode = list(decode)
@@ -171,7 +171,7 @@ class CompatCharacterTrie:
 class CompatParallelCharacterTrie(CompatCharacterTrie):
     """genlm-backend's ``ParallelTokenCharacterTrie``: genlm's torch engine, on ``device``."""
 
-    engine_class = ParallelTokenCharacterTrie
+    engine_class: type[Any] = ParallelTokenCharacterTrie
 
     def __init__(self, decode: Sequence[Any], device: str | None = None, **kwargs: Any):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

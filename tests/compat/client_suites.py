@@ -1,0 +1,123 @@
+"""genlm-control's and llamppl's own test suites, fetched once and run unmodified under genlm_compat.
+
+``python -m tests.compat.client_suites`` runs the selected files on genlm-backend and on genlm, prints
+the table of counts and writes ``seed_passing.txt``: the tests that pass on genlm-backend here, which
+``test_client_suites.py`` requires to pass on genlm.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from genlm_core.testing.tokenizers import cache_dir
+
+CLIENTS = {"genlm-control": "0.4.1", "llamppl": "0.2.3"}
+#: The files of each suite that touch a language model or a trie (the rest test pure potentials).
+FILES = {
+    "genlm-control": [
+        "tests/potential/test_autobatch.py",
+        "tests/potential/test_bytellm.py",
+        "tests/potential/test_canonical.py",
+        "tests/potential/test_coerce.py",
+        "tests/potential/test_duplicate_byte_strings.py",
+        "tests/potential/test_ensemble.py",
+        "tests/potential/test_llm.py",
+        "tests/sampler/test_set_sampler.py",
+        "tests/sampler/test_token_sampler.py",
+        "tests/test_setups.py",
+        "tests/test_util.py",
+    ],
+    "llamppl": ["tests/test_examples.py", "tests/test_lmcontext.py"],
+}
+HERE = Path(__file__).parent
+SEED_PASSING = HERE / "seed_passing.txt"
+
+
+def source(name: str) -> Path:
+    """The unpacked sdist of client ``name`` (with its tests), downloaded once per machine."""
+    version = CLIENTS[name]
+    root = Path(cache_dir()) / "clients"
+    out = root / f"{name.replace('-', '_')}-{version}"
+    if not (out / "tests").is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(root),
+                f"{name}=={version}",
+            ],
+            check=True,
+        )
+        archive = next(root.glob(f"{name.replace('-', '_')}-{version}.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+    return out
+
+
+def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
+    """Run client ``name``'s selected files; ``{test id: outcome}`` (passed/failed/skipped/error)."""
+    env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "genlm_compat.pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-q",
+            "--timeout",
+            "600",
+            f"--junitxml={junit}",
+            *FILES[name],
+        ],
+        cwd=source(name),
+        env=env,
+        check=False,
+        capture_output=True,
+    )
+    outcomes: dict[str, str] = {}
+    for case in ET.parse(junit).iter("testcase"):
+        test = f"{name}::{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        outcomes[test] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+    return outcomes
+
+
+def main() -> None:
+    passing, rows = [], []
+    for name in CLIENTS:
+        results = {}
+        for side in (False, True):
+            start = time.perf_counter()
+            results[side] = run(name, side, Path(f"/tmp/{name}-{side}.xml"))
+            results[side, "s"] = time.perf_counter() - start
+        for side, label in ((False, "genlm-backend"), (True, "genlm (install())")):
+            counts = {k: sum(v == k for v in results[side].values()) for k in ("passed", "failure", "error", "skipped")}
+            rows.append((name, label, counts, results[side, "s"]))
+        passing += sorted(t for t, v in results[False].items() if v == "passed")
+        lost = sorted(t for t, v in results[False].items() if v == "passed" and results[True].get(t) != "passed")
+        print(f"{name}: passing on genlm-backend but not on genlm: {lost or 'none'}")
+    print("| suite | run on | passed | failed | errors | skipped | time |\n|---|---|---|---|---|---|---|")
+    for name, label, c, secs in rows:
+        print(f"| {name} | {label} | {c['passed']} | {c['failure']} | {c['error']} | {c['skipped']} | {secs:.0f} s |")
+    SEED_PASSING.write_text("\n".join(passing) + "\n")
+
+
+if __name__ == "__main__":
+    main()
