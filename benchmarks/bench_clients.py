@@ -23,12 +23,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import genlm_compat  # noqa: E402
-from genlm.backend.llm import AsyncTransformer as SeedTransformer  # noqa: E402
+import genlm_compat
+from genlm.backend.llm import AsyncTransformer as SeedTransformer
 
-from genlm_core.cli import table  # noqa: E402
-from genlm_core.testing.models import smollm2_dir, tiny_model_dir  # noqa: E402
-from tests.compat.programs import control_program, llamppl_program  # noqa: E402
+from genlm_core.cli import table
+from genlm_core.testing.models import smollm2_dir, tiny_model_dir
+from tests.compat.programs import control_program, llamppl_program
 
 
 def same(a: dict, b: dict) -> bool:
@@ -82,9 +82,7 @@ def main() -> None:
                 "yes" if identical else "NO",
             ]
         )
-    print(
-        f"model: {args.model}; {args.particles} particles, {args.tokens} tokens, {args.rounds} interleaved rounds\n"
-    )
+    print(f"model: {args.model}; {args.particles} particles, {args.tokens} tokens, {args.rounds} interleaved rounds\n")
     print(table(["program", "genlm-backend", "genlm", "speed-up", "spread", "identical outputs"], rows))
 
 

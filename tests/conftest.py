@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Nothing here comes from a model hub: an unknown name fails at once instead of retrying the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 import pytest
 
 from genlm_core.plugins import reset_plugins

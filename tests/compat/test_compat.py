@@ -145,3 +145,46 @@ def test_llamppl_program_gives_genlm_backends_outputs(ours, seed_lm):
     got = asyncio.run(llamppl_program(ours, seed=4))
     assert got["texts"] == want["texts"]
     np.testing.assert_allclose(got["log_weights"], want["log_weights"], atol=1e-4, rtol=0)
+
+
+def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
+    """install() turns genlm-bytes' ByteBeamState.initial(llm, params) into genlm's byte LM: same log Z
+    and next-byte distribution as genlm-bytes on genlm-backend (which sums in float32)."""
+    import genlm.bytes as gb
+
+    text = b"The capital of France is"
+    eos = [b"<|endoftext|>"]
+
+    async def run(beam_cls, params_cls, lm):
+        beam = await beam_cls.initial(lm, params_cls(K=8, eos_byte_strings=eos, heal=False))
+        beam = await beam.prefill(text)
+        logp = await beam.logp_next()
+        out = (float(beam.logZ), np.asarray(logp.ps, dtype=np.float64), len(beam))
+        await beam.cleanup()
+        return out
+
+    want = asyncio.run(run(gb.ByteBeamState, gb.BeamParams, seed_lm))
+    genlm_compat.install()
+    try:
+        assert gb.ByteBeamState is genlm_compat.CompatByteBeamState
+        got = asyncio.run(run(gb.ByteBeamState, gb.BeamParams, ours))
+    finally:
+        genlm_compat.uninstall()
+    assert gb.ByteBeamState is not genlm_compat.CompatByteBeamState
+    assert got[0] == pytest.approx(want[0], abs=1e-4)
+    finite = np.isfinite(want[1])
+    assert (np.isfinite(got[1]) == finite).all()
+    np.testing.assert_allclose(got[1][finite], want[1][finite], atol=1e-4)
+
+
+def test_a_dropped_wrapper_frees_its_model():
+    import gc
+    import weakref
+
+    lm = load_model_by_name("gpt2", backend="mock")
+    alive = weakref.ref(lm)
+    wrapped = genlm_compat.wrap(lm)
+    assert genlm_compat.wrap(lm) is wrapped
+    del lm, wrapped
+    gc.collect()
+    assert alive() is None

@@ -4,12 +4,14 @@
 loaders build genlm models (``uninstall()`` restores it).
 """
 
+from genlm_compat.bytes import CompatByteBeamState
 from genlm_compat.install import install, installed, load, uninstall
 from genlm_compat.lm import CompatLM, wrap
 from genlm_compat.tries import CompatAsyncCharacterTrie, CompatCharacterTrie, CompatParallelCharacterTrie
 
 __all__ = [
     "CompatAsyncCharacterTrie",
+    "CompatByteBeamState",
     "CompatCharacterTrie",
     "CompatLM",
     "CompatParallelCharacterTrie",

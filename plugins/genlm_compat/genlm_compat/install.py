@@ -8,9 +8,11 @@ import sys
 import threading
 from typing import Any
 
+from genlm_compat.bytes import CompatByteBeamState
 from genlm_compat.lm import SEED_CLASSES, CompatLM, seed_class, wrap
 from genlm_compat.tries import CompatAsyncCharacterTrie, CompatCharacterTrie, CompatParallelCharacterTrie
 from genlm_core import load_model_by_name as genlm_load_model_by_name
+from genlm_core.bytes import BeamParams
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def installed() -> bool:
     return bool(_saved)
 
 
-def install() -> None:
+def install(byte_lm: bool = True) -> None:
     """Make genlm-backend build genlm's models and tries, so that unmodified programs run on genlm.
 
     After it, ``genlm.backend.load_model_by_name`` and the ``from_name`` of genlm-backend's
@@ -73,8 +75,9 @@ def install() -> None:
     genlm backend through genlm's plugin registry and return it wrapped (:func:`~genlm_compat.wrap`):
     ``PromptedLLM.from_name``, ``ByteLLM.from_name`` and ``CachedCausalLM.from_pretrained`` build genlm
     models. ``genlm.backend.trie``'s classes become genlm's engines with genlm-backend's attributes.
-    Modules that imported those names already are updated too. Calling it again does nothing;
-    :func:`uninstall` restores genlm-backend.
+    With ``byte_lm`` (and genlm-bytes installed), genlm-bytes' ``ByteBeamState`` and ``BeamParams`` become
+    genlm's byte LM, so ``ByteLLM`` runs on it too. Modules that imported those names already are updated
+    too. Calling it again does nothing; :func:`uninstall` restores genlm-backend and genlm-bytes.
     """
     with _lock:
         if _saved:
@@ -91,6 +94,14 @@ def install() -> None:
         trie = importlib.import_module("genlm.backend.trie")
         for name, ours in TRIES.items():
             _replace_everywhere(getattr(trie, name), ours)
+        if byte_lm:
+            try:
+                seed_bytes = importlib.import_module("genlm.bytes")
+            except ImportError:
+                seed_bytes = None
+            if seed_bytes is not None:
+                _replace_everywhere(seed_bytes.ByteBeamState, CompatByteBeamState)
+                _replace_everywhere(seed_bytes.BeamParams, BeamParams)
         log.info("genlm_compat: genlm-backend now builds genlm models and tries")
 
 

@@ -188,7 +188,9 @@ class CompatLM:
 
 
 _classes: dict[str | None, type] = {}
-_wrappers: weakref.WeakKeyDictionary[AsyncLM, CompatLM] = weakref.WeakKeyDictionary()
+# The wrapper holds its model, so the model is the key and the wrapper the weak value: a model is freed
+# once its last wrapper is.
+_wrappers: weakref.WeakValueDictionary[AsyncLM, CompatLM] = weakref.WeakValueDictionary()
 
 
 def wrapper_class(backend: str | None) -> type:

@@ -16,20 +16,29 @@ from genlm_core import AsyncLM, Request, Tokenizer
 from genlm_mock.options import MockOptions
 
 
+class TokenizerNotFoundError(OSError, ValueError):
+    """No tokenizer by that name: an OSError like transformers' own, and a ValueError (a bad name)."""
+
+
 def load_tokenizer(name: str) -> Tokenizer:
-    """A local tokenizer folder, or a built-in offline tokenizer name (``gpt2``, ``mistral-v1``, ...)."""
+    """A local tokenizer folder, a built-in offline tokenizer name (``gpt2``, ``mistral-v1``, ...), or a
+    tokenizer the Hugging Face hub serves (where it can be reached)."""
+    from transformers import AutoTokenizer
+
     from genlm_core.testing.tokenizers import TOKENIZERS
     from genlm_core.testing.tokenizers import load_tokenizer as builtin
 
     if Path(name).exists():
-        from transformers import AutoTokenizer
-
         return AutoTokenizer.from_pretrained(name)
     if name in TOKENIZERS:
         return builtin(name)
-    raise ValueError(
-        f"mock backend: {name!r} is neither a local tokenizer folder nor a built-in tokenizer ({sorted(TOKENIZERS)})"
-    )
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except OSError as exc:
+        raise TokenizerNotFoundError(
+            f"mock backend: {name!r} is neither a local tokenizer folder nor a built-in tokenizer "
+            f"({sorted(TOKENIZERS)}), and the Hugging Face hub did not give it ({exc.__class__.__name__})"
+        ) from exc
 
 
 class MockAsyncLM(AsyncLM):
