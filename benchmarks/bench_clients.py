@@ -4,8 +4,10 @@ The genlm-control program (PromptedLLM + a boolean FSA, the direct token sampler
 the llamppl lipogram under ``smc_steer`` from ``tests/compat/programs.py``, unmodified, on the same model
 and seed: genlm-backend's ``AsyncTransformer`` against genlm's ``hf`` backend wrapped by
 ``genlm_compat.wrap``. Runs are interleaved (seed, genlm, seed, genlm, ...) with every cache cleared before
-each run; the table gives medians, the spread (max/min of the per-round ratios) and whether the outputs
-were identical.
+each run; the table gives medians, the spread (min and max of the per-round ratios) and how many sampled
+particles were identical on both sides. Rows of the two libraries agree to float32 rounding (both within
+~5e-5 of an unbatched forward pass on SmolLM2; batch shapes differ), so on a real model a draw that lands
+within that distance of a boundary can go the other way, and the particle's future with it.
 
     python benchmarks/bench_clients.py [--model smollm2|tiny] [--rounds 3] [--particles 16] [--tokens 16]
 """
@@ -19,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import genlm_compat
@@ -31,21 +31,13 @@ from genlm_core.testing.models import smollm2_dir, tiny_model_dir
 from tests.compat.programs import control_program, llamppl_program
 
 
-def same(a: dict, b: dict) -> bool:
-    """Identical samples and weights within 1e-4 (the test's tolerance)."""
-    for key, value in a.items():
-        if isinstance(value, dict):
-            if not same(value, b[key]):
-                return False
-        elif isinstance(value, np.ndarray):
-            if value.shape != b[key].shape or not np.allclose(value, b[key], atol=1e-4, rtol=0, equal_nan=True):
-                return False
-        elif isinstance(value, float):
-            if not (value == b[key] or abs(value - b[key]) <= 1e-4 or (np.isnan(value) and np.isnan(b[key]))):
-                return False
-        elif value != b[key]:
-            return False
-    return True
+def matches(a: dict, b: dict) -> tuple[int, int]:
+    """(identical samples, samples): particles whose sampled sequence is the same on both sides."""
+    if "texts" in a:
+        pairs = list(zip(a["texts"], b["texts"]))
+    else:
+        pairs = [p for key in ("direct", "awrs") for p in zip(a[key]["contexts"], b[key]["contexts"])]
+    return sum(x == y for x, y in pairs), len(pairs)
 
 
 def main() -> None:
@@ -71,7 +63,8 @@ def main() -> None:
                     times[side].append(time.perf_counter() - start)
                     outputs[side].append(out)
         ratios = [s / g for s, g in zip(times["genlm-backend"], times["genlm"])]
-        identical = all(same(a, b) for a, b in zip(outputs["genlm-backend"], outputs["genlm"]))
+        counts = [matches(a, b) for a, b in zip(outputs["genlm-backend"], outputs["genlm"])]
+        identical = f"{sum(c[0] for c in counts)}/{sum(c[1] for c in counts)}"
         rows.append(
             [
                 title,
@@ -79,11 +72,11 @@ def main() -> None:
                 f"{statistics.median(times['genlm']):.2f} s",
                 f"{statistics.median(ratios):.2f}x",
                 f"{min(ratios):.2f}-{max(ratios):.2f}",
-                "yes" if identical else "NO",
+                identical,
             ]
         )
     print(f"model: {args.model}; {args.particles} particles, {args.tokens} tokens, {args.rounds} interleaved rounds\n")
-    print(table(["program", "genlm-backend", "genlm", "speed-up", "spread", "identical outputs"], rows))
+    print(table(["program", "genlm-backend", "genlm", "speed-up", "spread", "identical samples"], rows))
 
 
 if __name__ == "__main__":

@@ -179,5 +179,11 @@ def test_lora_per_request_matches_peft(path, tmp_path):
         assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
         with pytest.raises(ValueError, match="not loaded"):
             lm.set_lora(None, "b")
+        lm.add_new_lora(str(tmp_path), "c")  # genlm-backend's names: per-request lora_name, then remove
+        assert max_diff([lm.next_token_logprobs_sync(ctx, lora_name="c")], [want_lora]) <= 1e-3
+        assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
+        lm.remove_lora("c")
+        with pytest.raises(ValueError, match="not loaded"):
+            lm.next_token_logprobs_sync(ctx, lora_name="c")
     finally:
         lm.cleanup()
