@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-genlm_backend = pytest.importorskip("genlm.backend", reason="genlm-compat needs genlm-backend")
-
-import genlm_compat  # noqa: E402
+genlm_compat = pytest.importorskip("genlm_compat", reason="genlm-compat (and genlm-backend) not installed")
 from genlm.backend.llm import AsyncTransformer as SeedTransformer  # noqa: E402
 from genlm.backend.llm import MockAsyncLM as SeedMock  # noqa: E402
 from genlm.backend.tokenization import Token as SeedToken  # noqa: E402
@@ -175,6 +173,18 @@ def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
     finite = np.isfinite(want[1])
     assert (np.isfinite(got[1]) == finite).all()
     np.testing.assert_allclose(got[1][finite], want[1][finite], atol=1e-4)
+
+
+def test_importing_genlm_backend_leaves_the_environment_alone():
+    """genlm-backend sets VLLM_USE_V2_MODEL_RUNNER=1 on import, which stops vLLM's CPU build from starting."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, genlm_compat; print(os.environ.get('VLLM_USE_V2_MODEL_RUNNER'))"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_V2_MODEL_RUNNER"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "None"
 
 
 def test_a_dropped_wrapper_frees_its_model():

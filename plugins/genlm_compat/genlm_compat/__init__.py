@@ -4,6 +4,7 @@
 loaders build genlm models (``uninstall()`` restores it).
 """
 
+from genlm_compat import seed as _seed  # noqa: F401  # first: imports genlm-backend without its side effects
 from genlm_compat.bytes import CompatByteBeamState
 from genlm_compat.install import install, installed, load, uninstall
 from genlm_compat.lm import CompatLM, wrap
