@@ -37,6 +37,13 @@ FILES = {
     # it cannot run offline, on genlm-backend or on genlm.
     "llamppl": ["tests/test_lmcontext.py", "tests/test_resampling.py"],
 }
+#: Tests that are not deterministic on genlm-backend itself (unseeded SMC over random logits): each failed
+#: there in some runs here (test_smc_with_fewer_logits: 1 of 3 runs with GENLM_COMPAT=off). They are run,
+#: but not required.
+FLAKY_ON_SEED = {
+    "genlm-control::tests.potential.test_duplicate_byte_strings::test_smc_with_fewer_logits[EleutherAI/llemma_7b]",
+    "genlm-control::tests.potential.test_duplicate_byte_strings::test_smc_with_fewer_logits[codellama/CodeLlama-7b-hf]",
+}
 HERE = Path(__file__).parent
 SEED_PASSING = HERE / "seed_passing.txt"
 
@@ -112,7 +119,7 @@ def main() -> None:
         for side, label in ((False, "genlm-backend"), (True, "genlm (install())")):
             counts = {k: sum(v == k for v in results[side].values()) for k in ("passed", "failure", "error", "skipped")}
             rows.append((name, label, counts, results[side, "s"]))
-        passing += sorted(t for t, v in results[False].items() if v == "passed")
+        passing += sorted(t for t, v in results[False].items() if v == "passed" and t not in FLAKY_ON_SEED)
         lost = sorted(t for t, v in results[False].items() if v == "passed" and results[True].get(t) != "passed")
         print(f"{name}: passing on genlm-backend but not on genlm: {lost or 'none'}")
     print("| suite | run on | passed | failed | errors | skipped | time |\n|---|---|---|---|---|---|---|")
