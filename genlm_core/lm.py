@@ -433,7 +433,7 @@ class LoRASelection:
     def add_new_lora(self, lora_path: str, lora_name: str = "lora_1") -> None:
         """Load the adapter at ``lora_path`` as ``lora_name`` (genlm-backend's name); loading under a
         loaded name replaces that adapter. Use it per call with ``lora_name=``."""
-        if lora_name in getattr(self, "adapters", {}):
+        if lora_name in self.adapters:
             self.remove_lora(lora_name)
         self.load_lora(lora_path, lora_name)
 

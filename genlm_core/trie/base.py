@@ -14,6 +14,81 @@ from genlm_core.trie.index import END, TrieIndex
 from genlm_core.validation import as_bytes, check_vocabulary
 
 
+def check_weights(
+    ws: Any,
+    vocab_size: int,
+    allow_neg_inf: bool = False,
+    *,
+    single: bool = False,
+    copy: bool = False,
+    check_values: bool = True,
+) -> np.ndarray | torch.Tensor:
+    """``ws`` as a 2-D ``[batch, vocab_size]`` float32/float64 array (numpy; a tensor on a non-CPU device).
+
+    Takes numpy arrays, torch tensors and lists of numbers or of vectors. bfloat16 and float16
+    are widened to float32, integers to float64; bool, complex and other dtypes are a TypeError.
+    ValueError for a wrong shape (with ``single``, anything but one ``(vocab,)`` vector), and for
+    NaN or infinity (``allow_neg_inf`` admits ``-inf``, log-space zero) unless not
+    ``check_values``. With ``copy`` the result never shares memory with ``ws``: a snapshot.
+    """
+    fresh = False
+    if isinstance(ws, (list, tuple)):
+        if ws and all(isinstance(w, torch.Tensor) for w in ws):
+            ws = torch.stack([w.detach() for w in ws])
+        else:
+            try:
+                ws = np.asarray([np.asarray(w.detach().cpu() if isinstance(w, torch.Tensor) else w) for w in ws])
+            except ValueError as exc:
+                raise ValueError(f"weights: cannot make an array of the list given ({exc})") from None
+        fresh = True
+    elif not isinstance(ws, (np.ndarray, torch.Tensor)):
+        raise TypeError(f"weights must be a numpy array, torch tensor or list of them, got {type(ws).__name__}")
+    if isinstance(ws, torch.Tensor):
+        if ws.dtype in (torch.bfloat16, torch.float16):
+            ws, fresh = ws.float(), True
+        elif ws.dtype == torch.bool or ws.is_complex():
+            raise TypeError(f"weights must be real numbers, got a tensor of dtype {ws.dtype}")
+        elif not ws.is_floating_point():
+            ws, fresh = ws.double(), True
+    else:
+        kind = ws.dtype.kind
+        if kind == "f" and ws.dtype not in (np.float32, np.float64):
+            ws, fresh = ws.astype(np.float32 if ws.itemsize < 4 else np.float64), True
+        elif kind in "iu":
+            ws, fresh = ws.astype(np.float64), True
+        elif kind != "f":
+            raise TypeError(f"weights must be real numbers, got an array of dtype {ws.dtype}")
+    if single and (ws.ndim != 1 or ws.shape[0] != vocab_size):
+        hint = ": use the batch_ method for a batch" if ws.ndim == 2 else ""
+        raise ValueError(f"expected one weight vector of shape ({vocab_size},), got {tuple(ws.shape)}{hint}")
+    if ws.ndim not in (1, 2) or ws.shape[-1] != vocab_size:
+        raise ValueError(f"expected weights of shape ({vocab_size},) or (batch, {vocab_size}), got {tuple(ws.shape)}")
+    ws = ws if ws.ndim == 2 else ws[None]
+    if isinstance(ws, torch.Tensor) and ws.device.type == "cpu":
+        ws = ws.detach().numpy()
+    if isinstance(ws, np.ndarray):
+        contiguous = np.ascontiguousarray(ws)
+        fresh = fresh or contiguous is not ws
+        ws = contiguous.copy() if copy and not fresh else contiguous
+    elif copy and not fresh:
+        ws = ws.detach().clone()
+    if check_values:
+        _check_finite(ws, allow_neg_inf, vocab_size)
+    return ws
+
+
+def _check_finite(ws: np.ndarray | torch.Tensor, allow_neg_inf: bool, vocab_size: int) -> None:
+    if isinstance(ws, np.ndarray):
+        ok = (ws < np.inf) if allow_neg_inf else np.isfinite(ws)  # NaN fails both
+    else:
+        ok = (ws < float("inf")) if allow_neg_inf else torch.isfinite(ws)
+    if not bool(ok.all()):
+        where = int(np.flatnonzero(~np.asarray(ok.cpu() if isinstance(ok, torch.Tensor) else ok))[0])
+        value = float(ws.reshape(-1)[where])
+        allowed = "finite or -inf" if allow_neg_inf else "finite"
+        raise ValueError(f"weight of token {where % vocab_size} is {value}: weights must be {allowed}")
+
+
 class TrieBase(abc.ABC):
     """A token-character trie over ``decode`` (token id ``i`` is ``decode[i]``).
 
@@ -82,71 +157,8 @@ class TrieBase(abc.ABC):
         copy: bool = False,
         check_values: bool = True,
     ) -> np.ndarray | torch.Tensor:
-        """``ws`` as a 2-D ``[batch, vocab]`` float32/float64 array (numpy; a tensor on a non-CPU device).
-
-        Takes numpy arrays, torch tensors and lists of numbers or of vectors. bfloat16 and float16
-        are widened to float32, integers to float64; bool, complex and other dtypes are a TypeError.
-        ValueError for a wrong shape (with ``single``, anything but one ``(vocab,)`` vector), and for
-        NaN or infinity (``allow_neg_inf`` admits ``-inf``, log-space zero) unless not
-        ``check_values``. With ``copy`` the result never shares memory with ``ws``: a snapshot.
-        """
-        fresh = False
-        if isinstance(ws, (list, tuple)):
-            if ws and all(isinstance(w, torch.Tensor) for w in ws):
-                ws = torch.stack([w.detach() for w in ws])
-            else:
-                try:
-                    ws = np.asarray([np.asarray(w.detach().cpu() if isinstance(w, torch.Tensor) else w) for w in ws])
-                except ValueError as exc:
-                    raise ValueError(f"weights: cannot make an array of the list given ({exc})") from None
-            fresh = True
-        elif not isinstance(ws, (np.ndarray, torch.Tensor)):
-            raise TypeError(f"weights must be a numpy array, torch tensor or list of them, got {type(ws).__name__}")
-        if isinstance(ws, torch.Tensor):
-            if ws.dtype in (torch.bfloat16, torch.float16):
-                ws, fresh = ws.float(), True
-            elif ws.dtype == torch.bool or ws.is_complex():
-                raise TypeError(f"weights must be real numbers, got a tensor of dtype {ws.dtype}")
-            elif not ws.is_floating_point():
-                ws, fresh = ws.double(), True
-        else:
-            kind = ws.dtype.kind
-            if kind == "f" and ws.dtype not in (np.float32, np.float64):
-                ws, fresh = ws.astype(np.float32 if ws.itemsize < 4 else np.float64), True
-            elif kind in "iu":
-                ws, fresh = ws.astype(np.float64), True
-            elif kind != "f":
-                raise TypeError(f"weights must be real numbers, got an array of dtype {ws.dtype}")
-        if single and (ws.ndim != 1 or ws.shape[0] != self.vocab_size):
-            hint = ": use the batch_ method for a batch" if ws.ndim == 2 else ""
-            raise ValueError(f"expected one weight vector of shape ({self.vocab_size},), got {tuple(ws.shape)}{hint}")
-        if ws.ndim not in (1, 2) or ws.shape[-1] != self.vocab_size:
-            raise ValueError(
-                f"expected weights of shape ({self.vocab_size},) or (batch, {self.vocab_size}), got {tuple(ws.shape)}"
-            )
-        ws = ws if ws.ndim == 2 else ws[None]
-        if isinstance(ws, torch.Tensor) and ws.device.type == "cpu":
-            ws = ws.detach().numpy()
-        if isinstance(ws, np.ndarray):
-            contiguous = np.ascontiguousarray(ws)
-            fresh = fresh or contiguous is not ws
-            ws = contiguous.copy() if copy and not fresh else contiguous
-        elif copy and not fresh:
-            ws = ws.detach().clone()
-        if check_values:
-            self._check_finite(ws, allow_neg_inf)
-        return ws
-
-    def _check_finite(self, ws: np.ndarray | torch.Tensor, allow_neg_inf: bool) -> None:
-        if isinstance(ws, np.ndarray):
-            ok = (ws < np.inf) if allow_neg_inf else np.isfinite(ws)  # NaN fails both
-        else:
-            ok = (ws < float("inf")) if allow_neg_inf else torch.isfinite(ws)
-        if not bool(ok.all()):
-            where = int(np.flatnonzero(~np.asarray(ok.cpu() if isinstance(ok, torch.Tensor) else ok))[0])
-            value = float(ws.reshape(-1)[where])
-            allowed = "finite or -inf" if allow_neg_inf else "finite"
-            raise ValueError(f"weight of token {where % self.vocab_size} is {value}: weights must be {allowed}")
+        """:func:`check_weights` against this trie's vocabulary size."""
+        return check_weights(ws, self.vocab_size, allow_neg_inf, single=single, copy=copy, check_values=check_values)
 
     def weight_sum(self, ws: Any) -> np.ndarray:
         """Per-node sum of the token weights ``ws`` (one vector, shape ``(vocab,)``) below each node."""

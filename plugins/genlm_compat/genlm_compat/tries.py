@@ -19,6 +19,7 @@ import torch
 
 from genlm_core.closing import CLOSED, Closed
 from genlm_core.trie import END, AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
+from genlm_core.trie.base import check_weights
 
 
 def _key(item: Any) -> Any:
@@ -118,25 +119,14 @@ class CompatCharacterTrie:
     # ---- weights ------------------------------------------------------------------------------
 
     def check_weights(self, ws: Any, allow_neg_inf: bool = False, *, single: bool = False, copy: bool = False) -> Any:
-        """Weights as a checked 2-D batch over ``decode`` (see genlm_core's ``TrieBase.check_weights``)."""
-        if self.all_bytes:
-            return self.engine.check_weights(ws, allow_neg_inf, single=single, copy=copy)
-        if isinstance(ws, torch.Tensor):
-            ws = ws.detach().cpu().numpy()
-        arr = np.array(ws, dtype=np.float64, copy=True)
-        if arr.ndim == 1:
-            arr = arr[None]
-        if arr.ndim != 2 or arr.shape[1] != self.vocab_size or (single and arr.shape[0] != 1):
-            raise ValueError(f"weights: expected {self.vocab_size} entries per row, got shape {np.shape(ws)}")
-        if np.isnan(arr).any() or (np.isinf(arr) & ~(allow_neg_inf & (arr < 0))).any():
-            raise ValueError("weights must be finite" + (" (or -inf)" if allow_neg_inf else ""))
-        return arr
+        """Weights as a checked 2-D batch over ``decode`` (genlm_core's :func:`check_weights`)."""
+        return check_weights(ws, self.vocab_size, allow_neg_inf, single=single, copy=copy)
 
     def reduce_checked(self, ws: Any, op: str) -> np.ndarray:
         """Node values ``[batch, num_nodes]`` of checked weights ``ws``; ``op`` is "sum" or "max"."""
         if self.all_bytes:
             return np.asarray(self.engine.reduce_checked(ws, op))
-        ws = np.asarray(ws, dtype=np.float64)
+        ws = np.asarray(ws.detach().cpu() if isinstance(ws, torch.Tensor) else ws, dtype=np.float64)
         out = np.empty((ws.shape[0], self.num_nodes))
         first = self.engine.num_nodes
         if len(self.byte_pos):
