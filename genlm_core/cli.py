@@ -100,6 +100,10 @@ def cmd_backends(args: argparse.Namespace) -> int:
                 ]
             )
     print(table(["name", "kind", "distribution", "version", "runs here", "description"], rows))
+    for name, spec in sorted(plugins.backends().items()):
+        details = spec.details_here()
+        if details:
+            print(f"\n{name} on this machine: {details}")
     if plugins.failures:
         print("\nplugins that failed to load:")
         print(

@@ -272,6 +272,13 @@ class AsyncLM(abc.ABC):
         request. The batcher calls it; a backend may too (e.g. to fill the cache ahead of time)."""
         with self.model_lock:
             out = self.forward_batch(requests)
+        return self.finish_rows(requests, out)
+
+    def finish_rows(
+        self, requests: Sequence[Request], out: torch.Tensor | Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | Failed]:
+        """Turn backend logits for ``requests`` into rows: normalise, check for NaN, cache. Used by
+        :meth:`compute_rows`, and by backends that compute rows outside the batcher (streaming engines)."""
         logits = out if isinstance(out, torch.Tensor) else torch.stack(list(out))
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise RuntimeError(

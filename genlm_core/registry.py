@@ -50,6 +50,7 @@ class _Component:
     aliases: tuple[str, ...] = ()
     description: str = ""
     check: Check = None
+    details: Check = None
 
     def load(self) -> Callable[..., Any]:
         """The factory, imported if it was given lazily."""
@@ -63,6 +64,15 @@ class _Component:
             return resolve(self.check)()
         except Exception as exc:  # a failing check must not break listings
             return f"availability check failed: {type(exc).__name__}: {exc}"
+
+    def details_here(self) -> str | None:
+        """What the component says it can do on this machine (e.g. execution modes), or None."""
+        if self.details is None or self.unavailable_reason() is not None:
+            return None
+        try:
+            return resolve(self.details)()
+        except Exception as exc:  # a failing probe must not break listings
+            return f"could not tell: {type(exc).__name__}: {exc}"
 
 
 @dataclass(frozen=True)
@@ -164,14 +174,16 @@ class Register:
         aliases: tuple[str, ...] = (),
         description: str = "",
         check: Check = None,
+        details: Check = None,
     ) -> None:
         """Provide a backend. ``factory(model, options)`` returns an AsyncLM; ``options`` is the
-        pydantic model that validates its options (use ``extra="forbid"``)."""
+        pydantic model that validates its options (use ``extra="forbid"``). ``check()`` says why it
+        cannot run here (or None); ``details()`` says what it can do here, for ``genlm backends``."""
         if not (isinstance(options, type) and issubclass(options, BaseModel)):
             raise TypeError(f"backend {name!r}: options must be a pydantic model class, got {options!r}")
         if self._valid("backend", name, factory):
             spec = BackendSpec(
-                name, factory, self.plugin, self.distribution, tuple(aliases), description, check, options
+                name, factory, self.plugin, self.distribution, tuple(aliases), description, check, details, options
             )
             self._registry.add("backend", spec)
 

@@ -1,31 +1,101 @@
-"""A vLLM V1 logits processor that hands each tagged request's next-token logits back to genlm.
+"""Inside the engine: a vLLM V1 logits processor that hands each tagged request's logits back to genlm.
 
-Requests are matched by the tag in ``SamplingParams.extra_args`` (never by row order), so it does
-not matter how the scheduler splits, orders or chunks them. A row is kept only while its request
-has produced no token yet; with chunked prefill every chunk produces a row and the last one, at the
-final prompt position, is the one that stays. Rows land in :data:`CaptureLogits.rows`, which the
-engine's owner reads in the same process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+This module is imported by whichever process runs the model: the caller's own (in-process engine),
+vLLM's engine-core process, or each tensor/pipeline-parallel worker. Requests are matched by the
+tag in ``SamplingParams.extra_args`` (never by row order), so it does not matter how the scheduler
+splits, orders or chunks them. A row is kept only while its request has produced no token yet;
+with chunked prefill every chunk produces a row and the last one, at the final prompt position, is
+the one that stays.
+
+Exactly one process writes each row: tensor-parallel rank 0 of the last pipeline stage (with TP
+every rank sees the same all-gathered logits; with PP only the last stage has any). Where the row
+goes depends on the request's extra arguments:
+
+- ``SLOT`` present: into a caller-owned shared-memory slot (see :mod:`genlm_vllm.rows`), using a
+  sequence-numbered flag so the caller never mistakes an old or half-written row for its own;
+- otherwise into :data:`ROWS` in this process, read directly by an in-process caller or fetched
+  with ``collective_rpc("genlm_pop_rows", ...)`` through :class:`RowsExtension`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-TAG = "genlm_capture"
+log = logging.getLogger(__name__)
+
+TAG = "genlm_capture"  #: extra_args key: the request's tag (a string)
+SLOT = "genlm_slot"  #: extra_args key: [segment path, slots in segment, width, slot index, sequence number]
+
+#: Rows captured in this process and not yet taken, by tag; bounded by :data:`MAX_KEPT_ROWS`.
+ROWS: dict[str, torch.Tensor] = {}
+ROWS_LOCK = threading.Lock()
+#: Rows kept for a caller that never fetches them (a lost or aborted request) are dropped, oldest
+#: first, beyond this many.
+MAX_KEPT_ROWS = 8192
+
+WRITING = -1  #: flag value while a slot is being written
+
+
+def is_row_writer() -> bool:
+    """Whether this process writes rows: TP rank 0 of the last PP stage (True without parallelism)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
+    except (AssertionError, AttributeError, RuntimeError):  # no process groups: a single process
+        return True
+
+
+class Segment:
+    """A caller-owned shared-memory file of ``n`` slots: ``n`` int64 flags, then ``n`` float32 rows."""
+
+    def __init__(self, path: str, n: int, width: int, create: bool = False):
+        self.path, self.n, self.width = path, n, width
+        size = n * 8 + n * width * 4
+        if create:
+            with open(path, "xb") as f:
+                f.truncate(size)
+        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.flags = raw[: n * 8].view(torch.int64)
+        self.data = raw[n * 8 :].view(torch.float32).view(n, width)
+
+    def write(self, index: int, seq: int, row: torch.Tensor) -> None:
+        """Seqlock write: mark the slot busy, copy the row, then publish the request's number."""
+        self.flags[index] = WRITING
+        self.data[index].copy_(row[: self.width])
+        self.flags[index] = seq
+
+
+_segments: dict[str, Segment] = {}
+
+
+def _segment(path: str, n: int, width: int) -> Segment:
+    segment = _segments.get(path)
+    if segment is None:
+        segment = _segments[path] = Segment(path, n, width)
+    return segment
+
+
+def _keep(tag: str, row: torch.Tensor) -> None:
+    with ROWS_LOCK:
+        ROWS[tag] = row
+        while len(ROWS) > MAX_KEPT_ROWS:
+            dropped = next(iter(ROWS))
+            del ROWS[dropped]
+            log.warning("genlm-vllm: dropped the uncollected row of request %s", dropped)
 
 
 class CaptureLogits(LogitsProcessor):
     """Copies the logits of tagged requests; changes nothing."""
 
-    rows: ClassVar[dict[str, torch.Tensor]] = {}
-    lock: ClassVar[threading.Lock] = threading.Lock()
-
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
-        self.slots: dict[int, tuple[str, list[int]]] = {}  # batch index -> (tag, live output token ids)
+        self.slots: dict[int, tuple[dict[str, Any], list[int]]] = {}  # batch index -> (extra args, output ids)
+        self.writer: bool | None = None  # decided at the first row: process groups exist by then
 
     def is_argmax_invariant(self) -> bool:
         return False  # else greedy batches skip us and we would see processed logits
@@ -36,11 +106,11 @@ class CaptureLogits(LogitsProcessor):
         for index in batch_update.removed:
             self.slots.pop(index, None)
         for index, params, _prompt, output_ids in batch_update.added:
-            tag = (params.extra_args or {}).get(TAG) if params is not None else None
-            if tag is None:
-                self.slots.pop(index, None)
+            args = (params.extra_args or {}) if params is not None else {}
+            if TAG in args:
+                self.slots[index] = (args, output_ids)
             else:
-                self.slots[index] = (tag, output_ids)
+                self.slots.pop(index, None)
         for a, b, direction in batch_update.moved:
             moving_a, moving_b = self.slots.pop(a, None), self.slots.pop(b, None)
             if moving_a is not None:
@@ -49,9 +119,60 @@ class CaptureLogits(LogitsProcessor):
                 self.slots[a] = moving_b
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.slots:
-            with self.lock:
-                for index, (tag, output_ids) in self.slots.items():
-                    if not output_ids and index < logits.shape[0]:
-                        self.rows[tag] = logits[index].detach().to("cpu", torch.float32, copy=True)
+        if not self.slots:
+            return logits
+        if self.writer is None:
+            self.writer = is_row_writer()
+        if not self.writer:
+            return logits
+        for index, (args, output_ids) in self.slots.items():
+            if output_ids or index >= logits.shape[0]:
+                continue
+            slot = args.get(SLOT)
+            if slot is None:
+                _keep(args[TAG], logits[index].detach().to("cpu", torch.float32, copy=True))
+            else:
+                path, n, width, slot_index, seq = slot
+                _segment(path, n, width).write(slot_index, seq, logits[index].detach())
         return logits
+
+
+class RowsExtension:
+    """Mixed into vLLM's workers (``worker_extension_cls``): rows leave through ``collective_rpc``.
+
+    The reply carries raw float32 bytes and a shape: vLLM's RPC queue turns tensors and arrays into
+    something else unless insecure serialisation is allowed.
+    """
+
+    def genlm_pop_rows(self, tags: list[str], discard: list[str]) -> tuple[list[str], int, bytes] | None:
+        """Take the rows of ``tags`` (those present) and drop those of ``discard``. Returns
+        ``(found tags, row width, bytes)`` from the writing rank, None from the others."""
+        if not is_row_writer():
+            return None
+        with ROWS_LOCK:
+            for tag in discard:
+                ROWS.pop(tag, None)
+            found = [(tag, ROWS.pop(tag)) for tag in tags if tag in ROWS]
+        if not found:
+            return [], 0, b""
+        rows = torch.stack([row for _, row in found])
+        return [tag for tag, _ in found], int(rows.shape[1]), rows.numpy().tobytes()
+
+    def genlm_kept_rows(self) -> int | None:
+        """How many rows wait to be fetched on the writing rank (None elsewhere); for tests."""
+        return len(ROWS) if is_row_writer() else None
+
+    def genlm_where(self) -> dict[str, Any]:
+        """This worker's process id, host and ranks; for tests and the self-test."""
+        import os
+        import socket
+
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "tp_rank": get_tp_group().rank_in_group,
+            "pp_rank": get_pp_group().rank_in_group,
+            "writer": is_row_writer(),
+        }

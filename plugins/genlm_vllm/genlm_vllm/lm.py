@@ -3,15 +3,15 @@
 Each batch of requests becomes one ``LLM.generate`` of one token per prompt, run from the batcher's
 single worker thread (``generate`` is not thread-safe; the event loop keeps running meanwhile).
 :class:`~genlm_vllm.capture.CaptureLogits`, a V1 logits processor, copies each request's logits by
-tag, so results never depend on how the scheduler orders, splits or chunks the batch. Prefix
-caching is vLLM's own. The engine lives in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
-the captured rows are reachable; tensor/pipeline parallel options pass through to vLLM.
+tag wherever the model runs (this process, vLLM's engine-core process, tensor/pipeline-parallel
+workers), and a row channel (:mod:`genlm_vllm.rows`) brings them back; results never depend on how
+the scheduler orders, splits or chunks the batch. Prefix caching is vLLM's own. With
+``engine="async"`` the engine is vLLM's AsyncLLM instead (:mod:`genlm_vllm.streaming`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import sys
@@ -23,8 +23,8 @@ import torch
 from genlm_core import AsyncLM, AutoBatcher, LoRASelection, Request, Tokenizer
 from genlm_vllm.options import VLLMOptions
 from genlm_vllm.plugin import INSTALL
+from genlm_vllm.processes import Layout, check_main_guard, engine_env, layout, on_cpu_build, scoped_env
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the capture processor runs in this process
 try:
     import vllm
     from vllm import SamplingParams
@@ -32,12 +32,15 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"genlm-vllm needs the vllm module ({exc}): {INSTALL}") from exc
 
-from genlm_vllm.capture import TAG, CaptureLogits
+from genlm_vllm.rows import LocalRows, RowChannel, RpcRows, SharedMemoryRows
 
 log = logging.getLogger(__name__)
 
-if not torch.cuda.is_available():  # vLLM's CPU build: the V1 model runner (no Triton CPU backend here)
+if on_cpu_build():  # vLLM's CPU build: the V1 model runner (no Triton CPU backend here)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+PROCESSOR = "genlm_vllm.capture:CaptureLogits"
+EXTENSION = "genlm_vllm.capture.RowsExtension"  # vLLM wants a dotted path here
 
 
 @contextlib.contextmanager
@@ -55,66 +58,121 @@ def _hidden_from_vllm_kernel_scan() -> Iterator[None]:
             sys.modules[name] = module
 
 
+def max_model_len(engine: Any) -> int | None:
+    """The engine's context length (LLM or AsyncLLM), or None if it does not say."""
+    config = getattr(engine, "model_config", None) or getattr(getattr(engine, "llm_engine", None), "model_config", None)
+    value = getattr(config, "max_model_len", None)
+    return None if value is None else int(value)
+
+
+def engine_kwargs(model: str, options: VLLMOptions, lay: Layout) -> dict[str, Any]:
+    """vLLM engine arguments for ``options``: ours first, ``engine_opts`` over them."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": options.dtype,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "enable_prefix_caching": options.enable_prefix_caching,
+        "logits_processors": [PROCESSOR],  # by name: spawned processes import it themselves
+    }
+    if options.max_model_len is not None:
+        kwargs["max_model_len"] = options.max_model_len
+    if options.enable_lora:
+        kwargs.update(enable_lora=True, max_lora_rank=options.max_lora_rank)
+    if lay.capture == "rpc":
+        if options.engine_opts.get("worker_extension_cls") not in (None, EXTENSION):
+            raise ValueError("capture='rpc' needs worker_extension_cls for itself; drop yours from engine_opts")
+        kwargs["worker_extension_cls"] = EXTENSION
+    kwargs.update(options.engine_opts)
+    if lay.pipeline_parallel > 1 and kwargs.get("enforce_eager") and on_cpu_build():
+        raise ValueError(
+            "vLLM's CPU build runs pipeline parallelism only compiled (its warm-up, skipped with enforce_eager=True, "
+            "creates the buffers between stages): drop enforce_eager"
+        )
+    return kwargs
+
+
 class AsyncVirtualLM(LoRASelection, AsyncLM):
-    """A vLLM engine: batched, exact full-vocabulary next-token logprobs; batched sampling."""
+    """A vLLM engine: batched, exact full-vocabulary next-token logprobs; batched sampling.
+
+    Runs in every layout vLLM offers (in-process, multiprocess, tensor and pipeline parallel, and
+    AsyncLLM with ``engine="async"``); see :class:`~genlm_vllm.VLLMOptions`."""
 
     Options = VLLMOptions
     options: VLLMOptions
 
-    def __init__(self, llm: Any, tokenizer: Tokenizer, options: VLLMOptions | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Tokenizer,
+        options: VLLMOptions | None = None,
+        *,
+        rows: RowChannel | None = None,
+        engine_layout: Layout | None = None,
+        **kwargs: Any,
+    ):
+        """``llm``: a started engine whose ``logits_processors`` include
+        :class:`~genlm_vllm.capture.CaptureLogits`; ``rows``: the channel that reaches it (default:
+        the engine runs in this process)."""
         super().__init__(tokenizer, options, **kwargs)
         o = self.options
         self.llm = llm
+        self.layout = engine_layout or layout(o)
+        self.rows = rows or LocalRows()
         self.sampler: AutoBatcher[tuple[Any, ...], list[int]] = AutoBatcher(
             self._sample_batch, batch_size=o.batch_size, timeout=o.timeout, run_in_thread=True, name="vllm-sample"
         )
         self.generate_calls = 0
-        # vLLM needs room for the one token it generates after the context
-        max_model_len = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "max_model_len", None)
-        self.context_limit = None if max_model_len is None else int(max_model_len) - 1
-        self._tags = itertools.count()
+        limit = max_model_len(llm)  # vLLM needs room for the one token it generates after the context
+        self.context_limit = None if limit is None else limit - 1
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
         self._lora_ids = 0
 
     @classmethod
     def from_name(cls, model: str, /, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
-        """Start an engine for ``model`` with :class:`VLLMOptions` as keywords; ``engine_opts`` go to ``vllm.LLM``."""
+        """Start an engine for ``model`` with :class:`VLLMOptions` as keywords; ``engine_opts`` go to vLLM."""
         return cls.from_options(model, VLLMOptions(**kwargs, engine_opts=engine_opts or {}))
 
     @classmethod
     def from_options(cls, model: str, options: VLLMOptions) -> AsyncVirtualLM:
-        """The registry factory."""
+        """The registry factory: starts the engine in the layout ``options`` ask for."""
         from transformers import AutoTokenizer
 
-        kwargs: dict[str, Any] = {
-            "model": model,
-            "dtype": options.dtype,
-            "gpu_memory_utilization": options.gpu_memory_utilization,
-            "enable_prefix_caching": options.enable_prefix_caching,
-            "logits_processors": [CaptureLogits],
-        }
-        if options.max_model_len is not None:
-            kwargs["max_model_len"] = options.max_model_len
-        if options.enable_lora:
-            kwargs.update(enable_lora=True, max_lora_rank=options.max_lora_rank)
-        kwargs.update(options.engine_opts)
-        log.info("starting vLLM engine for %s", model)
-        with _hidden_from_vllm_kernel_scan():
+        lay = layout(options)
+        if lay.spawns:
+            check_main_guard()
+        kwargs = engine_kwargs(model, options, lay)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        log.info("starting vLLM engine for %s (%s)", model, lay.describe())
+        if lay.streaming:
+            from genlm_vllm.streaming import StreamingVirtualLM
+
+            return StreamingVirtualLM.start(kwargs, tokenizer, options, lay)
+        with scoped_env(engine_env(lay)), _hidden_from_vllm_kernel_scan():
             llm = vllm.LLM(**kwargs)
-        return cls(llm, AutoTokenizer.from_pretrained(model), options)
+        return cls(llm, tokenizer, options, rows=cls.row_channel(llm, lay), engine_layout=lay)
+
+    @staticmethod
+    def row_channel(llm: Any, lay: Layout) -> RowChannel:
+        """The channel that brings rows back from where ``llm`` runs its model."""
+        if lay.capture == "local":
+            return LocalRows()
+        if lay.capture == "shm":
+            return SharedMemoryRows(llm.llm_engine.model_config.get_vocab_size())
+        return RpcRows(lambda tags, discard: llm.collective_rpc("genlm_pop_rows", args=(tags, discard)))
 
     # ---- logprobs -------------------------------------------------------------------------------
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
-        tags = [f"{id(self)}-{next(self._tags)}" for _ in requests]
-        params = [SamplingParams(max_tokens=1, detokenize=False, extra_args={TAG: tag}) for tag in tags]
-        self._generate([r.token_ids for r in requests], params, [r.adapter for r in requests])
-        with CaptureLogits.lock:
-            rows = [CaptureLogits.rows.pop(tag, None) for tag in tags]
-        missing = sum(row is None for row in rows)
-        if missing:
-            raise RuntimeError(f"vLLM returned no logits for {missing} of {len(rows)} requests")
-        return torch.stack(rows)  # type: ignore[arg-type]
+        ticket = self.rows.prepare(len(requests))
+        params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=args) for args in ticket.extra_args]
+        finished = False
+        try:
+            self._generate([r.token_ids for r in requests], params, [r.adapter for r in requests])
+            finished = True
+            rows = self.rows.collect(ticket)
+        finally:
+            self.rows.release(ticket, finished)
+        return stack_rows(rows, requests)
 
     def _generate(self, contexts: Sequence[Sequence[int]], params: list[Any], adapters: Iterable[str | None]) -> Any:
         prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
@@ -144,24 +202,10 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         return await self.sampler.submit(object(), item)
 
     def _sample_batch(self, items: list[tuple[Any, ...]]) -> list[list[int]]:
-        params = [
-            SamplingParams(
-                max_tokens=max_tokens,
-                temperature=temperature,
-                seed=seed,
-                stop_token_ids=list(eos),
-                ignore_eos=True,
-                detokenize=False,
-            )
-            for _, max_tokens, eos, temperature, seed in items
-        ]
+        params = [sampling_params(*item[1:]) for item in items]
         with self.model_lock:
             outputs = self._generate([r.token_ids for r, *_ in items], params, [r.adapter for r, *_ in items])
-        results = []
-        for (_, _, eos, *_), out in zip(items, outputs):
-            ids = list(out.outputs[0].token_ids)
-            results.append(ids[:-1] if ids and ids[-1] in eos else ids)
-        return results
+        return [without_stop(out.outputs[0].token_ids, item[2]) for item, out in zip(items, outputs)]
 
     # ---- LoRA -----------------------------------------------------------------------------------
 
@@ -185,4 +229,41 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
     def close_backend(self) -> None:
         self.sampler.close()
-        self.llm = None
+        try:
+            if self.layout.spawns:  # stop the engine's processes now, not when the garbage collector runs
+                self.llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # a crashed engine: still free what is ours
+            log.warning("vLLM engine shutdown failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self.llm = None
+            self.rows.close()
+
+
+def sampling_params(max_tokens: int, eos: Sequence[int], temperature: float, seed: int | None) -> Any:
+    """vLLM's parameters for :meth:`AsyncVirtualLM.sample`: stop at ``eos`` only, not the model's EOS."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop_token_ids=list(eos),
+        ignore_eos=True,
+        detokenize=False,
+    )
+
+
+def without_stop(token_ids: Sequence[int], eos: Sequence[int]) -> list[int]:
+    """A sample without the EOS that stopped it (as genlm-backend returns them)."""
+    ids = list(token_ids)
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def stack_rows(rows: Sequence[torch.Tensor | None], requests: Sequence[Request]) -> torch.Tensor:
+    """The rows of a batch as one tensor; a missing row fails the batch, naming the request."""
+    missing = [i for i, row in enumerate(rows) if row is None]
+    if missing:
+        first = requests[missing[0]].token_ids
+        raise RuntimeError(
+            f"vLLM returned no logits for {len(missing)} of {len(rows)} requests (the first: a context of "
+            f"{len(first)} tokens ending {list(first[-5:])})"
+        )
+    return torch.stack(rows)  # type: ignore[arg-type]

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from genlm_core.config import BackendOptions
+from genlm_vllm.processes import layout
 
 
 class VLLMOptions(BackendOptions):
-    """Options of the ``vllm`` backend. ``engine_opts`` go to ``vllm.LLM`` unchanged (tensor_parallel_size,
-    pipeline_parallel_size, max_model_len, enforce_eager, kv_cache_memory_bytes, ...)."""
+    """Options of the ``vllm`` backend. ``engine_opts`` go to vLLM's engine arguments unchanged
+    (tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, enforce_eager,
+    kv_cache_memory_bytes, ...)."""
 
     batch_size: PositiveInt = Field(256, description="Most requests handed to the engine in one generate call.")
     dtype: str = Field("auto", description="Model dtype for vLLM ('auto', 'float32', 'bfloat16', ...).")
@@ -22,4 +24,25 @@ class VLLMOptions(BackendOptions):
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching.")
     enable_lora: bool = Field(False, description="Allow LoRA adapters (load_lora / set_lora).")
     max_lora_rank: PositiveInt = Field(16, description="Largest LoRA rank the engine reserves room for.")
+    engine: Literal["llm", "async"] = Field(
+        "llm",
+        description="'llm': vllm.LLM, one generate per batch of the AutoBatcher (fastest on a small machine); "
+        "'async': vLLM's AsyncLLM, every request streams into the running engine as it comes, no batch barrier.",
+    )
+    multiprocess: bool | None = Field(
+        None,
+        description="Run vLLM's engine core in a process of its own (vLLM's default). None: no for 'llm' "
+        "(in-process is faster on few cores), yes for 'async' (AsyncLLM always does).",
+    )
+    capture: Literal["auto", "local", "shm", "rpc"] = Field(
+        "auto",
+        description="How rows come back from the engine: 'local' (engine in this process), 'shm' (shared-memory "
+        "slots; workers on this host), 'rpc' (vLLM's collective_rpc; reaches workers on other hosts). "
+        "'auto' picks the first that reaches the model's processes.",
+    )
     engine_opts: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM.")
+
+    @model_validator(mode="after")
+    def _possible_layout(self) -> VLLMOptions:
+        layout(self)  # raises ValueError for a combination no engine can run
+        return self

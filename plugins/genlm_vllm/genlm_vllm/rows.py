@@ -1,0 +1,229 @@
+"""The caller's side of row capture: how rows written inside the engine come back to genlm.
+
+Three channels, one per place the logits processor (:mod:`genlm_vllm.capture`) can run:
+
+- :class:`LocalRows`: the engine runs in this process; rows are read from memory.
+- :class:`SharedMemoryRows`: the processor runs in other processes on this host; each request gets a
+  slot in a ``/dev/shm`` file that this object owns, creates, and removes on :meth:`close` (also at
+  interpreter exit, and whatever happened to the engine).
+- :class:`RpcRows`: the processor may run on other hosts; rows come back through vLLM's
+  ``collective_rpc`` as raw bytes, merged by tag.
+
+Every channel hands out a :class:`Ticket` (tags, and the ``extra_args`` that carry them into the
+engine) before the requests are submitted, and returns one row or ``None`` (missing) per request
+afterwards. A row is only ever matched by its own tag or sequence number, never by position.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from genlm_vllm.capture import ROWS, ROWS_LOCK, SLOT, TAG, Segment
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+FILE_PREFIX = "genlm-vllm-"  #: every shared-memory file of ours starts with this
+
+
+@dataclass
+class Ticket:
+    """What a batch of requests carries into the engine, and how to find their rows afterwards."""
+
+    tags: list[str]
+    extra_args: list[dict[str, Any]]
+    slots: list[tuple[Segment, int, int]] = field(default_factory=list)  # (segment, index, sequence number)
+
+
+class RowChannel(abc.ABC):
+    """Brings captured rows back to the caller."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self._prefix = uuid.uuid4().hex[:12]
+        self._count = itertools.count()
+
+    def new_tags(self, n: int) -> list[str]:
+        """``n`` tags never handed out before (also usable as vLLM request ids)."""
+        return [f"{self._prefix}-{next(self._count)}" for _ in range(n)]
+
+    def prepare(self, n: int) -> Ticket:
+        """Tags (and slots) for ``n`` requests about to be submitted."""
+        tags = self.new_tags(n)
+        return Ticket(tags, [{TAG: tag} for tag in tags])
+
+    @abc.abstractmethod
+    def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        """The rows of a ticket whose requests have finished, in order; None where a row is missing."""
+
+    async def collect_async(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        return self.collect(ticket)
+
+    def release(self, ticket: Ticket, finished: bool = True) -> None:  # noqa: B027 - nothing held by default
+        """Free what the ticket holds. ``finished=False``: its requests failed or were aborted, and
+        one of them might still be running in the engine."""
+
+    def close(self) -> None:  # noqa: B027 - nothing held by default
+        """Free everything this channel holds."""
+
+
+class LocalRows(RowChannel):
+    """The engine runs in this process: rows are taken from :data:`genlm_vllm.capture.ROWS`."""
+
+    name = "local"
+
+    def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        with ROWS_LOCK:
+            return [ROWS.pop(tag, None) for tag in ticket.tags]
+
+    def release(self, ticket: Ticket, finished: bool = True) -> None:
+        with ROWS_LOCK:
+            for tag in ticket.tags:
+                ROWS.pop(tag, None)
+
+
+def _remove_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class SharedMemoryRows(RowChannel):
+    """Slots in ``/dev/shm`` files owned by this process; the engine's writing rank fills them.
+
+    Slots are handed out under a lock, so concurrent batches never share one; the pool grows by
+    one file of ``slots_per_file`` slots when it runs out. Each slot carries a flag: the writer sets
+    it to -1, copies the row, then sets it to the request's sequence number, and a row is accepted
+    only if the flag holds that number both before and after it is read. A slot whose request may
+    still be running (a failed batch) is never handed out again.
+    """
+
+    name = "shm"
+
+    def __init__(self, width: int, slots_per_file: int = 256, directory: str = SHM_DIR):
+        super().__init__()
+        self.width, self.slots_per_file, self.directory = width, slots_per_file, directory
+        self.segments: list[Segment] = []
+        self.paths: list[str] = []
+        self._free: list[tuple[Segment, int]] = []
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._remove = weakref.finalize(self, _remove_files, self.paths)  # also runs at interpreter exit
+
+    def _grow(self) -> None:
+        path = os.path.join(self.directory, f"{FILE_PREFIX}{os.getpid()}-{self._prefix}-{len(self.segments)}")
+        self.paths.append(path)
+        segment = Segment(path, self.slots_per_file, self.width, create=True)
+        self.segments.append(segment)
+        self._free.extend((segment, i) for i in reversed(range(segment.n)))
+
+    def prepare(self, n: int) -> Ticket:
+        ticket = super().prepare(n)
+        with self._lock:
+            if not self._remove.alive:
+                raise RuntimeError("this row channel is closed")
+            while len(self._free) < n:
+                self._grow()
+            taken = [self._free.pop() for _ in range(n)]
+            for args, (segment, index) in zip(ticket.extra_args, taken):
+                seq = next(self._seq)
+                segment.flags[index] = 0
+                args[SLOT] = [segment.path, segment.n, segment.width, index, seq]
+                ticket.slots.append((segment, index, seq))
+        return ticket
+
+    def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        rows: list[torch.Tensor | None] = []
+        for segment, index, seq in ticket.slots:
+            before = int(segment.flags[index])
+            row = segment.data[index].clone()
+            after = int(segment.flags[index])
+            rows.append(row if before == seq and after == seq else None)
+        return rows
+
+    def release(self, ticket: Ticket, finished: bool = True) -> None:
+        if not finished:
+            log.debug("genlm-vllm: %d slots retired after a failed batch", len(ticket.slots))
+            return
+        with self._lock:
+            self._free.extend((segment, index) for segment, index, _ in ticket.slots)
+
+    def close(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.segments.clear()
+            self._remove()
+
+
+PopRows = Callable[[list[str], list[str]], list[Any]]
+
+
+class RpcRows(RowChannel):
+    """Rows stay on the writing rank until fetched with ``collective_rpc("genlm_pop_rows")``.
+
+    ``pop(tags, discard)`` runs the RPC on every worker (synchronously, or awaited for the async
+    engine) and returns their replies; only the writing rank answers with rows. Rows of failed
+    batches are dropped on the workers with the next fetch.
+    """
+
+    name = "rpc"
+
+    def __init__(self, pop: PopRows | None = None, pop_async: Callable[..., Awaitable[list[Any]]] | None = None):
+        super().__init__()
+        self.pop, self.pop_async = pop, pop_async
+        self._discard: list[str] = []
+        self._lock = threading.Lock()
+
+    def _take_discard(self) -> list[str]:
+        with self._lock:
+            discard, self._discard = self._discard, []
+        return discard
+
+    @staticmethod
+    def _merge(tags: list[str], replies: list[Any]) -> list[torch.Tensor | None]:
+        found: dict[str, torch.Tensor] = {}
+        for reply in replies:
+            if reply is None:
+                continue
+            got, width, raw = reply
+            if got:
+                rows = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(len(got), width)
+                found.update(zip(got, rows))
+        return [found.get(tag) for tag in tags]
+
+    def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        if self.pop is None:
+            raise RuntimeError("this engine fetches rows asynchronously")
+        return self._merge(ticket.tags, self.pop(ticket.tags, self._take_discard()))
+
+    async def collect_async(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        if self.pop_async is None:
+            return self.collect(ticket)
+        return self._merge(ticket.tags, await self.pop_async(ticket.tags, self._take_discard()))
+
+    def release(self, ticket: Ticket, finished: bool = True) -> None:
+        if not finished:
+            with self._lock:
+                self._discard.extend(ticket.tags)
+
+
+def leftover_files(directory: str = SHM_DIR) -> list[str]:
+    """Shared-memory files of genlm-vllm that still exist (from any process)."""
+    try:
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(FILE_PREFIX))
+    except FileNotFoundError:
+        return []

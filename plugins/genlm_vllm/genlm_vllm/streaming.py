@@ -1,0 +1,281 @@
+"""``engine="async"``: vLLM's AsyncLLM, each request streamed into the running engine as it comes.
+
+There is no batch barrier of ours: vLLM's scheduler batches whatever is in flight at each step. The
+AsyncLLM lives on an event loop of its own in a daemon thread (:class:`EngineThread`), so it works
+whatever loop, thread or ``asyncio.run`` the caller uses, and its output handler never dies with a
+caller's loop. Concurrent requests for the same context share one engine request; a request whose
+every caller was cancelled is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from genlm_core import BatcherError, ClosedError, Request, Tokenizer
+from genlm_core.batching import Failed
+from genlm_vllm.lm import (
+    AsyncVirtualLM,
+    _hidden_from_vllm_kernel_scan,
+    sampling_params,
+    stack_rows,
+    without_stop,
+)
+from genlm_vllm.options import VLLMOptions
+from genlm_vllm.processes import Layout, engine_env, scoped_env
+from genlm_vllm.rows import RowChannel, RpcRows, SharedMemoryRows
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """An asyncio loop in a daemon thread; coroutines for the engine run there."""
+
+    def __init__(self, name: str = "genlm-vllm-engine"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the engine loop and wait for it (from any other thread)."""
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class _Shared:
+    """One engine request and the callers waiting for it."""
+
+    __slots__ = ("failure", "future", "waiters")
+
+    def __init__(self, future: concurrent.futures.Future[torch.Tensor]):
+        self.future = future
+        self.waiters = 0
+        self.failure: BaseException | None = None  # what waiters get when we cancel it ourselves
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        self.future.cancel()
+
+
+class StreamingVirtualLM(AsyncVirtualLM):
+    """:class:`~genlm_vllm.AsyncVirtualLM` on vLLM's AsyncLLM (``engine="async"``)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        thread: EngineThread,
+        tokenizer: Tokenizer,
+        options: VLLMOptions,
+        *,
+        rows: RowChannel,
+        engine_layout: Layout,
+    ):
+        super().__init__(engine, tokenizer, options, rows=rows, engine_layout=engine_layout)
+        self.engine_thread = thread
+        self._inflight: dict[Request, _Shared] = {}
+        self._inflight_lock = threading.Lock()
+
+    @classmethod
+    def start(cls, kwargs: dict[str, Any], tokenizer: Tokenizer, options: VLLMOptions, lay: Layout) -> Any:
+        """Start an AsyncLLM with engine arguments ``kwargs`` on a new engine thread."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        thread = EngineThread()
+
+        async def build() -> Any:  # on the engine loop, so AsyncLLM's output handler runs there
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+        try:
+            with scoped_env(engine_env(lay)), _hidden_from_vllm_kernel_scan():
+                engine = thread.call(build())
+        except BaseException:
+            thread.stop()
+            raise
+        rows: RowChannel
+        if lay.capture == "rpc":
+
+            async def pop(tags: list[str], discard: list[str]) -> list[Any]:
+                return await engine.collective_rpc("genlm_pop_rows", args=(tags, discard))
+
+            rows = RpcRows(pop_async=pop)
+        else:
+            rows = SharedMemoryRows(engine.model_config.get_vocab_size())
+        return cls(engine, thread, tokenizer, options, rows=rows, engine_layout=lay)
+
+    # ---- logprobs -------------------------------------------------------------------------------
+
+    async def request_logprobs(self, request: Request) -> torch.Tensor:
+        cached = self.cache.get(request)
+        if cached is not None:
+            return cached
+        with self._inflight_lock:
+            shared = self._inflight.get(request)
+            if shared is None:
+                self.ensure_open()
+                shared = self._inflight[request] = _Shared(self.engine_thread.submit(self._row(request)))
+                shared.future.add_done_callback(lambda _, r=request, s=shared: self._forget(r, s))
+            shared.waiters += 1
+        try:
+            return await _result_of(shared)
+        except asyncio.CancelledError:
+            with self._inflight_lock:
+                shared.waiters -= 1
+                if shared.waiters == 0:  # nobody wants it any more: abort it in the engine
+                    self._forget(request, shared)
+                    shared.future.cancel()
+            raise
+
+    def _forget(self, request: Request, shared: _Shared) -> None:
+        with self._inflight_lock:
+            if self._inflight.get(request) is shared:
+                del self._inflight[request]
+
+    async def _row(self, request: Request) -> torch.Tensor:
+        """On the engine loop: one request's row, normalised and cached."""
+        logits = await self._logits(request)
+        row = self.finish_rows([request], logits[None])[0]
+        if isinstance(row, Failed):
+            raise row.error
+        return row
+
+    async def _logits(self, request: Request) -> torch.Tensor:
+        from vllm.inputs import TokensPrompt
+
+        ticket = self.rows.prepare(1)
+        params = sampling_params(1, (), 1.0, None)
+        params.extra_args = ticket.extra_args[0]
+        adapter = self.adapters[request.adapter] if request.adapter is not None else None
+        self.generate_calls += 1
+        finished = False
+        try:
+            prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+            async for _ in self.llm.generate(prompt, params, ticket.tags[0], lora_request=adapter):
+                pass
+            finished = True
+            rows = await self.rows.collect_async(ticket)
+        finally:
+            # AsyncLLM has sent the abort of a cancelled request by now: later requests reach the
+            # engine after it, so the slot can be handed out again
+            self.rows.release(ticket, finished or isinstance(self.rows, SharedMemoryRows))
+        return stack_rows(rows, [request])[0]
+
+    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        """The synchronous path (``next_token_logprobs_sync`` and friends): stream them all, wait."""
+
+        async def logits() -> list[torch.Tensor]:
+            return list(await asyncio.gather(*(self._logits(r) for r in requests)))
+
+        return torch.stack(self.engine_thread.call(logits()))
+
+    def reset_async_queries(self) -> None:
+        """Fail every request still in flight with :class:`~genlm_core.errors.BatcherError` (and
+        abort it in the engine)."""
+        super().reset_async_queries()
+        with self._inflight_lock:
+            pending, self._inflight = list(self._inflight.values()), {}
+        for shared in pending:
+            shared.fail(BatcherError("reset_async_queries() dropped this request"))
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    async def sample(
+        self,
+        prompt_token_ids: Any,
+        max_tokens: int,
+        eos_token_ids: Iterable[int],
+        temperature: float = 1.0,
+        seed: int | None = None,
+        lora_name: str | None = None,
+    ) -> list[int]:
+        """vLLM's own sampling, streamed like every request (see :meth:`AsyncVirtualLM.sample`)."""
+        request = self.request(prompt_token_ids, lora_name)
+        max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
+        if max_tokens == 0:
+            return []
+        stop = tuple(sorted(eos))
+        return await asyncio.wrap_future(
+            self.engine_thread.submit(self._sample_one(request, sampling_params(max_tokens, stop, temperature, seed)))
+        )
+
+    async def _sample_one(self, request: Request, params: Any) -> list[int]:
+        from vllm.inputs import TokensPrompt
+
+        adapter = self.adapters[request.adapter] if request.adapter is not None else None
+        self.generate_calls += 1
+        final = None
+        prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
+        async for out in self.llm.generate(prompt, params, self.rows.new_tags(1)[0], lora_request=adapter):
+            final = out
+        assert final is not None
+        return without_stop(final.outputs[0].token_ids, params.stop_token_ids)
+
+    # ---- engine calls ---------------------------------------------------------------------------
+
+    def unload_lora(self, name: str) -> None:
+        self.engine_thread.call(self.llm.remove_lora(self.adapters[name].lora_int_id))
+
+    def clear_backend_cache(self) -> None:
+        self.engine_thread.call(self.llm.reset_prefix_cache())
+
+    def close_backend(self) -> None:
+        self.sampler.close()
+        with self._inflight_lock:
+            pending, self._inflight = list(self._inflight.values()), {}
+        for shared in pending:
+            shared.fail(ClosedError("the model was closed by cleanup() while this request ran"))
+        engine, self.llm = self.llm, None
+
+        async def shutdown() -> None:
+            engine.shutdown()
+
+        try:
+            self.engine_thread.call(shutdown(), timeout=60)
+        except Exception as exc:  # a crashed engine: still free what is ours
+            log.warning("vLLM AsyncLLM shutdown failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            self.engine_thread.stop()
+            self.rows.close()
+
+
+def _result_of(shared: _Shared) -> asyncio.Future[torch.Tensor]:
+    """A future on the running loop that follows ``shared.future`` and can be cancelled alone."""
+    loop = asyncio.get_running_loop()
+    mine: asyncio.Future[torch.Tensor] = loop.create_future()
+
+    def copy(done: concurrent.futures.Future[torch.Tensor]) -> None:
+        if mine.done():
+            return
+        if done.cancelled():
+            mine.set_exception(shared.failure or BatcherError("the request was cancelled"))
+        elif done.exception() is not None:
+            mine.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            mine.set_result(done.result())
+
+    def follow(done: concurrent.futures.Future[torch.Tensor]) -> None:
+        try:
+            loop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+    shared.future.add_done_callback(follow)
+    return mine
