@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import gc
+import logging
 import random
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,8 @@ from genlm_core.validation import (
 )
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+log = logging.getLogger(__name__)
 
 
 class Request(NamedTuple):
@@ -389,7 +392,15 @@ class AsyncLM(abc.ABC):
         self.batcher.close()
         with self.model_lock:
             self.cache.clear()
-            self.clear_backend_cache()
+            try:
+                self.clear_backend_cache()
+            except Exception as exc:  # a crashed engine cannot clear its cache, but must still be released
+                log.warning(
+                    "%s: clearing the backend cache failed at cleanup: %s: %s",
+                    type(self).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
             self.close_backend()
         gc.collect()  # models hold large reference cycles; free them now, not at some later collection
         if torch.cuda.is_available():

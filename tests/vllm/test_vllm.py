@@ -179,6 +179,12 @@ def test_lora_per_request_matches_peft(path, tmp_path):
         assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3
         with pytest.raises(ValueError, match="not loaded"):
             lm.set_lora(None, "b")
+
+        async def one_batch():  # plain and adapted requests in one engine step (vLLM's CPU kernels needed a fix)
+            return await asyncio.gather(lm.next_token_logprobs(ctx), lm.next_token_logprobs(ctx, lora_name="a"))
+
+        lm.clear_cache()
+        assert max_diff(asyncio.run(one_batch()), [want_base, want_lora]) <= 1e-3
         lm.add_new_lora(str(tmp_path), "c")  # genlm-backend's names: per-request lora_name, then remove
         assert max_diff([lm.next_token_logprobs_sync(ctx, lora_name="c")], [want_lora]) <= 1e-3
         assert max_diff([lm.next_token_logprobs_sync(ctx)], [want_base]) <= 1e-3

@@ -26,7 +26,11 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from genlm_vllm.vllm_fixes import apply_cpu_fixes
+
 log = logging.getLogger(__name__)
+
+apply_cpu_fixes()  # this module is imported wherever the model runs
 
 TAG = "genlm_capture"  #: extra_args key: the request's tag (a string)
 SLOT = "genlm_slot"  #: extra_args key: [segment path, slots in segment, width, slot index, sequence number]

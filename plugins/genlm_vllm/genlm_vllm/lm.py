@@ -23,7 +23,15 @@ import torch
 from genlm_core import AsyncLM, AutoBatcher, LoRASelection, Request, Tokenizer
 from genlm_vllm.options import VLLMOptions
 from genlm_vllm.plugin import INSTALL
-from genlm_vllm.processes import Layout, check_main_guard, engine_env, layout, on_cpu_build, scoped_env
+from genlm_vllm.processes import (
+    EngineFiles,
+    Layout,
+    check_main_guard,
+    engine_env,
+    layout,
+    on_cpu_build,
+    scoped_env,
+)
 
 try:
     import vllm
@@ -78,16 +86,12 @@ def engine_kwargs(model: str, options: VLLMOptions, lay: Layout) -> dict[str, An
         kwargs["max_model_len"] = options.max_model_len
     if options.enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=options.max_lora_rank)
-    if lay.capture == "rpc":
-        if options.engine_opts.get("worker_extension_cls") not in (None, EXTENSION):
-            raise ValueError("capture='rpc' needs worker_extension_cls for itself; drop yours from engine_opts")
-        kwargs["worker_extension_cls"] = EXTENSION
+    theirs = options.engine_opts.get("worker_extension_cls")
+    if theirs is None:
+        kwargs["worker_extension_cls"] = EXTENSION  # rows by RPC, and genlm_where() for checking a cluster
+    elif lay.capture == "rpc":
+        raise ValueError("capture='rpc' needs worker_extension_cls for itself; drop yours from engine_opts")
     kwargs.update(options.engine_opts)
-    if lay.pipeline_parallel > 1 and kwargs.get("enforce_eager") and on_cpu_build():
-        raise ValueError(
-            "vLLM's CPU build runs pipeline parallelism only compiled (its warm-up, skipped with enforce_eager=True, "
-            "creates the buffers between stages): drop enforce_eager"
-        )
     return kwargs
 
 
@@ -126,6 +130,8 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.context_limit = None if limit is None else limit - 1
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
         self._lora_ids = 0
+        #: shared-memory files vLLM's processes made for this engine (removed at cleanup if orphaned)
+        self.engine_files: EngineFiles | None = None
 
     @classmethod
     def from_name(cls, model: str, /, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
@@ -143,13 +149,19 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         kwargs = engine_kwargs(model, options, lay)
         tokenizer = AutoTokenizer.from_pretrained(model)
         log.info("starting vLLM engine for %s (%s)", model, lay.describe())
+        files = EngineFiles()
         if lay.streaming:
             from genlm_vllm.streaming import StreamingVirtualLM
 
-            return StreamingVirtualLM.start(kwargs, tokenizer, options, lay)
-        with scoped_env(engine_env(lay)), _hidden_from_vllm_kernel_scan():
-            llm = vllm.LLM(**kwargs)
-        return cls(llm, tokenizer, options, rows=cls.row_channel(llm, lay), engine_layout=lay)
+            lm: AsyncVirtualLM = StreamingVirtualLM.start(kwargs, tokenizer, options, lay)
+        else:
+            with scoped_env(engine_env(lay)), _hidden_from_vllm_kernel_scan():
+                llm = vllm.LLM(**kwargs)
+            lm = cls(llm, tokenizer, options, rows=cls.row_channel(llm, lay), engine_layout=lay)
+        if lay.spawns:
+            files.started()
+            lm.engine_files = files
+        return lm
 
     @staticmethod
     def row_channel(llm: Any, lay: Layout) -> RowChannel:
@@ -168,8 +180,8 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         finished = False
         try:
             self._generate([r.token_ids for r in requests], params, [r.adapter for r in requests])
-            finished = True
             rows = self.rows.collect(ticket)
+            finished = True
         finally:
             self.rows.release(ticket, finished)
         return stack_rows(rows, requests)
@@ -236,7 +248,13 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
             log.warning("vLLM engine shutdown failed: %s: %s", type(exc).__name__, exc)
         finally:
             self.llm = None
-            self.rows.close()
+            self.release_files()
+
+    def release_files(self) -> None:
+        """Remove our shared-memory files, and those the engine's processes left behind."""
+        self.rows.close()
+        if self.engine_files is not None:
+            self.engine_files.remove_orphans()
 
 
 def sampling_params(max_tokens: int, eos: Sequence[int], temperature: float, seed: int | None) -> Any:

@@ -23,4 +23,5 @@ def register_backends(register: Register) -> None:
         options=VLLMOptions,
         description="vLLM V1 engine (CUDA, or its CPU build); logits captured inside the engine.",
         check=unavailable_reason,
+        details="genlm_vllm.processes:modes_here",
     )

@@ -226,3 +226,59 @@ def modes_here() -> str:
         modes.append("TP/PP only with ranks sharing one device (slow)")
     ray = "Ray executor available" if importlib.util.find_spec("ray") else "no Ray (pip install ray) for multi-node"
     return f"{where}: {', '.join(modes)}; {ray}"
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _in_use(paths: set[str]) -> set[str]:
+    """Which of ``paths`` some live process still maps or holds open."""
+    used: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                used.update(p for p in paths if p in f.read())
+            fd_dir = f"/proc/{pid}/fd"
+            for fd in os.listdir(fd_dir):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(os.path.join(fd_dir, fd))
+                    if target in paths:
+                        used.add(target)
+        except OSError:  # gone, or not ours to read
+            continue
+    return used
+
+
+class EngineFiles:
+    """The shared-memory files vLLM's processes create while an engine starts (message queues,
+    CPU communicators, semaphores), so that :meth:`remove_orphans` can delete what a crashed or
+    killed process leaves behind. Only files that appeared during the start, and that no live
+    process maps or holds open, are removed."""
+
+    def __init__(self) -> None:
+        self._before = self._names()
+        self.created: set[str] = set()
+
+    @staticmethod
+    def _names() -> set[str]:
+        try:
+            return set(os.listdir(SHM_DIR))
+        except FileNotFoundError:
+            return set()
+
+    def started(self) -> None:
+        """Call once the engine is up: remember what it created."""
+        self.created = {os.path.join(SHM_DIR, n) for n in self._names() - self._before if not n.startswith("genlm-")}
+
+    def remove_orphans(self) -> list[str]:
+        """Delete the engine's files that nothing uses any more; returns their paths."""
+        left = {p for p in self.created if os.path.exists(p)}
+        orphans = sorted(left - _in_use(left)) if left else []
+        for path in orphans:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        if orphans:
+            log.info("genlm-vllm: removed %d shared-memory files left by the engine's processes", len(orphans))
+        return orphans

@@ -30,10 +30,10 @@ from typing import Any
 import torch
 
 from genlm_vllm.capture import ROWS, ROWS_LOCK, SLOT, TAG, Segment
+from genlm_vllm.processes import SHM_DIR
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 FILE_PREFIX = "genlm-vllm-"  #: every shared-memory file of ours starts with this
 
 
@@ -120,9 +120,11 @@ class SharedMemoryRows(RowChannel):
         self.segments: list[Segment] = []
         self.paths: list[str] = []
         self._free: list[tuple[Segment, int]] = []
+        self.retired = 0  #: slots never handed out again (their request may still be running)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
         self._remove = weakref.finalize(self, _remove_files, self.paths)  # also runs at interpreter exit
+        remove_files_of_dead_processes(directory)
 
     def _grow(self) -> None:
         path = os.path.join(self.directory, f"{FILE_PREFIX}{os.getpid()}-{self._prefix}-{len(self.segments)}")
@@ -156,11 +158,18 @@ class SharedMemoryRows(RowChannel):
         return rows
 
     def release(self, ticket: Ticket, finished: bool = True) -> None:
-        if not finished:
-            log.debug("genlm-vllm: %d slots retired after a failed batch", len(ticket.slots))
-            return
         with self._lock:
-            self._free.extend((segment, index) for segment, index, _ in ticket.slots)
+            if finished:
+                self._free.extend((segment, index) for segment, index, _ in ticket.slots)
+            else:
+                self.retired += len(ticket.slots)
+                log.debug("genlm-vllm: %d slots retired after a failed batch", len(ticket.slots))
+
+    @property
+    def in_use(self) -> int:
+        """Slots handed out and not yet released (retired ones not counted)."""
+        with self._lock:
+            return sum(s.n for s in self.segments) - len(self._free) - self.retired
 
     def close(self) -> None:
         with self._lock:
@@ -221,9 +230,29 @@ class RpcRows(RowChannel):
                 self._discard.extend(ticket.tags)
 
 
-def leftover_files(directory: str = SHM_DIR) -> list[str]:
-    """Shared-memory files of genlm-vllm that still exist (from any process)."""
+def leftover_files(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
+    """Shared-memory files of genlm-vllm that still exist: those made by process ``pid``, or by any."""
+    prefix = FILE_PREFIX if pid is None else f"{FILE_PREFIX}{pid}-"
     try:
-        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(FILE_PREFIX))
+        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix))
     except FileNotFoundError:
         return []
+
+
+def remove_files_of_dead_processes(directory: str = SHM_DIR) -> list[str]:
+    """Remove our files whose creating process is gone (killed before it could clean up)."""
+    removed = []
+    for path in leftover_files(directory=directory):
+        pid = os.path.basename(path)[len(FILE_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            _remove_files([path])
+            removed.append(path)
+        except PermissionError:  # alive, someone else's
+            pass
+    if removed:
+        log.info("genlm-vllm: removed %d shared-memory files of processes that are gone", len(removed))
+    return removed

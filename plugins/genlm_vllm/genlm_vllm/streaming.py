@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections.abc import Coroutine, Iterable, Sequence
@@ -132,19 +133,21 @@ class StreamingVirtualLM(AsyncVirtualLM):
             if shared is None:
                 self.ensure_open()
                 shared = self._inflight[request] = _Shared(self.engine_thread.submit(self._row(request)))
-                shared.future.add_done_callback(lambda _, r=request, s=shared: self._forget(r, s))
+                shared.future.add_done_callback(functools.partial(self._forget, request, shared))
             shared.waiters += 1
         try:
             return await _result_of(shared)
         except asyncio.CancelledError:
             with self._inflight_lock:
                 shared.waiters -= 1
-                if shared.waiters == 0:  # nobody wants it any more: abort it in the engine
-                    self._forget(request, shared)
-                    shared.future.cancel()
+                abandoned = shared.waiters == 0
+                if abandoned and self._inflight.get(request) is shared:
+                    del self._inflight[request]  # a new caller starts afresh, not on this aborted one
+            if abandoned:  # nobody wants it any more: abort it in the engine
+                shared.future.cancel()
             raise
 
-    def _forget(self, request: Request, shared: _Shared) -> None:
+    def _forget(self, request: Request, shared: _Shared, _: object = None) -> None:
         with self._inflight_lock:
             if self._inflight.get(request) is shared:
                 del self._inflight[request]
@@ -170,8 +173,8 @@ class StreamingVirtualLM(AsyncVirtualLM):
             prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))
             async for _ in self.llm.generate(prompt, params, ticket.tags[0], lora_request=adapter):
                 pass
-            finished = True
             rows = await self.rows.collect_async(ticket)
+            finished = True
         finally:
             # AsyncLLM has sent the abort of a cancelled request by now: later requests reach the
             # engine after it, so the slot can be handed out again
@@ -253,7 +256,7 @@ class StreamingVirtualLM(AsyncVirtualLM):
             log.warning("vLLM AsyncLLM shutdown failed: %s: %s", type(exc).__name__, exc)
         finally:
             self.engine_thread.stop()
-            self.rows.close()
+            self.release_files()
 
 
 def _result_of(shared: _Shared) -> asyncio.Future[torch.Tensor]:

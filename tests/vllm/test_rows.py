@@ -1,0 +1,245 @@
+"""The row channels and process layout of genlm-vllm, without an engine: the worker's side is
+played by :class:`genlm_vllm.capture.Segment` opened by path, as a worker process opens it."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from genlm_core.errors import OptionsError
+from genlm_vllm import VLLMOptions
+from genlm_vllm.capture import ROWS, SLOT, TAG, WRITING, RowsExtension, Segment
+from genlm_vllm.processes import EngineFiles, engine_env, layout, threads_bind
+from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows, leftover_files
+
+WIDTH = 10
+
+
+def worker_write(args: dict, row: torch.Tensor) -> None:
+    """What the writing rank does with a request's extra_args."""
+    path, n, width, index, seq = args[SLOT]
+    Segment(path, n, width).write(index, seq, row)
+
+
+@pytest.fixture
+def shm(tmp_path):
+    rows = SharedMemoryRows(WIDTH, slots_per_file=4, directory=str(tmp_path))
+    yield rows
+    rows.close()
+
+
+def test_shared_memory_rows_come_back_by_slot_not_position(shm):
+    ticket = shm.prepare(3)
+    want = [torch.randn(WIDTH) for _ in range(3)]
+    for i in (2, 0, 1):  # any order
+        worker_write(ticket.extra_args[i], want[i])
+    got = shm.collect(ticket)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert shm.in_use == 3
+    shm.release(ticket)
+    assert shm.in_use == 0
+
+
+def test_unwritten_stale_or_half_written_slots_read_as_missing(shm):
+    first = shm.prepare(1)
+    worker_write(first.extra_args[0], torch.ones(WIDTH))
+    shm.release(first)
+    second = shm.prepare(3)
+    assert second.slots[0][:2] == first.slots[0][:2]  # the same slot, handed out again
+    assert shm.collect(second) == [None, None, None]  # its old row is not the new request's
+    path, n, width, index, seq = second.extra_args[1][SLOT]
+    Segment(path, n, width).write(index, seq - 1, torch.ones(WIDTH))  # another request's number
+    segment = second.slots[2][0]
+    segment.flags[second.slots[2][1]] = WRITING  # a writer caught mid-copy
+    assert shm.collect(second) == [None, None, None]
+
+
+def test_concurrent_batches_never_share_a_slot_and_the_pool_grows(shm):
+    tickets = [shm.prepare(3) for _ in range(5)]  # 15 slots from files of 4
+    slots = [(s.path, i) for t in tickets for s, i, _ in t.slots]
+    assert len(set(slots)) == 15 and len(shm.segments) == 4
+    seqs = [seq for t in tickets for *_, seq in t.slots]
+    assert len(set(seqs)) == 15
+
+
+def test_a_failed_batch_retires_its_slots(shm):
+    failed = shm.prepare(2)
+    shm.release(failed, finished=False)  # its requests might still write
+    later = shm.prepare(4)
+    assert not {(s.path, i) for s, i, _ in failed.slots} & {(s.path, i) for s, i, _ in later.slots}
+    assert shm.retired == 2
+
+
+def test_close_and_garbage_collection_remove_the_files(tmp_path):
+    rows = SharedMemoryRows(WIDTH, slots_per_file=2, directory=str(tmp_path))
+    rows.prepare(5)
+    assert len(os.listdir(tmp_path)) == 3
+    rows.close()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="closed"):
+        rows.prepare(1)
+    dropped = SharedMemoryRows(WIDTH, directory=str(tmp_path))
+    dropped.prepare(1)
+    del dropped
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_files_in_dev_shm_are_named_ours():
+    rows = SharedMemoryRows(WIDTH)
+    rows.prepare(1)
+    try:
+        assert rows.paths[0] in leftover_files(os.getpid())
+    finally:
+        rows.close()
+    assert rows.paths[0] not in leftover_files(os.getpid())
+
+
+def test_rpc_rows_merge_by_tag_and_drop_failed_ones_on_the_writer():
+    ROWS.clear()
+    extension = RowsExtension()
+    sent = []
+
+    def pop(tags, discard):
+        sent.append(list(discard))
+        return [None, extension.genlm_pop_rows(tags, discard)]  # rank 1 answers None, rank 0 rows
+
+    rows = RpcRows(pop)
+    failed = rows.prepare(2)
+    for tag in failed.tags:
+        ROWS[tag] = torch.zeros(WIDTH)
+    rows.release(failed, finished=False)
+    ticket = rows.prepare(3)
+    want = {ticket.tags[0]: torch.randn(WIDTH), ticket.tags[2]: torch.randn(WIDTH)}
+    ROWS.update(want)
+    got = rows.collect(ticket)
+    assert torch.equal(got[0], want[ticket.tags[0]]) and got[1] is None and torch.equal(got[2], want[ticket.tags[2]])
+    assert sent == [failed.tags] and ROWS == {}
+
+
+def test_local_rows_are_taken_once():
+    rows = LocalRows()
+    ticket = rows.prepare(2)
+    assert [a[TAG] for a in ticket.extra_args] == ticket.tags
+    ROWS[ticket.tags[1]] = torch.ones(WIDTH)
+    got = rows.collect(ticket)
+    assert got[0] is None and torch.equal(got[1], torch.ones(WIDTH))
+    assert rows.collect(ticket) == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "want"),
+    [
+        (2, [0, 1], "0|1"),
+        (1, [0, 1], "0-1"),
+        (2, list(range(16)), "0-7|8-15"),
+        (3, [0, 1, 2, 5], "0-1|2|5"),
+        (4, [0, 1], "0|1|0|1"),
+    ],
+)
+def test_threads_bind_splits_the_allowed_cores(ranks, cores, want):
+    assert threads_bind(ranks, cores) == want
+
+
+def test_thread_binding_defaults_and_refuses_a_wrong_count(monkeypatch):
+    monkeypatch.setattr("genlm_vllm.processes.on_cpu_build", lambda: True)
+    monkeypatch.setattr("genlm_vllm.processes.allowed_cores", lambda: [0, 1])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    tp2 = layout(VLLMOptions(engine_opts={"tensor_parallel_size": 2}))
+    assert engine_env(tp2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert engine_env(layout(VLLMOptions(multiprocess=True)))["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in engine_env(layout(VLLMOptions()))  # in-process: vLLM's own
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    with pytest.raises(ValueError, match="binds 1 ranks, but this engine has 2"):
+        engine_env(tp2)
+
+
+def test_layouts_and_impossible_combinations():
+    assert layout(VLLMOptions()).capture == "local"
+    assert layout(VLLMOptions(engine="async")).describe() == "AsyncLLM, multiprocess; rows by shm"
+    pp = layout(VLLMOptions(engine_opts={"pipeline_parallel_size": 2, "tensor_parallel_size": 2}))
+    assert (pp.world_size, pp.capture, pp.multiprocess) == (4, "shm", False)
+    assert layout(VLLMOptions(engine_opts={"distributed_executor_backend": "ray"})).capture == "rpc"
+    with pytest.raises(OptionsError, match=r"AsyncLLM.*always runs its engine core in its own process"):
+        VLLMOptions(engine="async", multiprocess=False)
+    with pytest.raises(OptionsError, match="capture='local' needs the model in this process"):
+        VLLMOptions(capture="local", multiprocess=True)
+    with pytest.raises(OptionsError, match="cannot reach Ray workers"):
+        VLLMOptions(capture="shm", engine_opts={"distributed_executor_backend": "ray"})
+
+
+SCRIPT = """
+from genlm_vllm.processes import check_main_guard
+
+def start():
+    check_main_guard()
+    print("started")
+
+{body}
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "fails"),
+    [
+        ("start()", True),
+        ("if True:\n    start()", True),
+        ('if __name__ == "__main__":\n    start()', False),
+        ("def main():\n    start()\n\nif __name__ == '__main__':\n    main()", False),
+    ],
+)
+def test_a_script_without_a_main_guard_gets_the_fix_named(tmp_path, body, fails):
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(SCRIPT).format(body=body))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    if fails:
+        assert out.returncode != 0
+        assert 'if __name__ == "__main__":' in out.stderr and f"{script}, line" in out.stderr
+    else:
+        assert out.returncode == 0 and out.stdout.strip() == "started", out.stderr
+
+
+def test_engine_files_removes_only_orphans_created_during_start(tmp_path, monkeypatch):
+    monkeypatch.setattr("genlm_vllm.processes.SHM_DIR", str(tmp_path))
+    (tmp_path / "before").write_bytes(b"x")
+    files = EngineFiles()
+    for name in ("psm_orphan", "psm_held", "genlm-vllm-ours"):
+        (tmp_path / name).write_bytes(b"x")
+    files.started()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys, time; f = open({str(tmp_path / 'psm_held')!r}); print(1, flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        holder.stdout.readline()  # it holds the file open now
+        assert files.remove_orphans() == [str(tmp_path / "psm_orphan")]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(os.listdir(tmp_path)) == ["before", "genlm-vllm-ours", "psm_held"]
+
+
+def test_files_of_a_killed_process_are_removed_by_the_next_one(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = tmp_path / f"genlm-vllm-{dead.pid}-abc-0"
+    alive = tmp_path / f"genlm-vllm-{os.getpid()}-abc-0"
+    orphan.write_bytes(b"x")
+    alive.write_bytes(b"x")
+    rows = SharedMemoryRows(WIDTH, directory=str(tmp_path))
+    assert not orphan.exists() and alive.exists()
+    rows.close()
