@@ -34,6 +34,22 @@ def test_backends_lists_backends_engines_versions_and_failures(fresh_plugins, ca
     assert "failed to load" in out and "genlm-broken-plugin" in out and "needs libfoo" in out
 
 
+def test_backends_prints_what_a_backend_can_do_here(fresh_plugins, capsys):
+    class Modes:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("fast", "genlm_mock:MockAsyncLM.from_options", details=lambda: "modes A and B")
+            register.backend("absent", "genlm_mock:MockAsyncLM.from_options", check=lambda: "no", details=lambda: "x")
+            register.backend("odd", "genlm_mock:MockAsyncLM.from_options", details=lambda: 1 / 0)
+
+    with registered(Modes(), "genlm-modes-plugin"):
+        assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    assert "fast on this machine: modes A and B" in out
+    assert "absent on this machine" not in out  # a backend that cannot run here says nothing more
+    assert "odd on this machine: could not tell: ZeroDivisionError" in out
+
+
 def test_options_lists_schema(capsys):
     assert main(["options", "mock"]) == 0
     out = capsys.readouterr().out

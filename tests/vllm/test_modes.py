@@ -41,6 +41,7 @@ MODES = {
     "async-rpc": {"engine": "async", "capture": "rpc"},
 }
 ATOL = 1e-4
+THREADS_AFTER_START: dict[str, tuple[int, int]] = {}  # mode -> (torch threads before, after)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,9 @@ def lm(request, path, adapter):
         **mode,
         "engine_opts": {**ENGINE, **mode.get("engine_opts", {})},
     }
+    threads = torch.get_num_threads()
     engine = load_model_by_name(path, backend="vllm", llm_opts=options)
+    THREADS_AFTER_START[request.param] = (threads, torch.get_num_threads())
     engine.load_lora(adapter, "a")
     yield engine
     engine.cleanup()
@@ -109,6 +112,13 @@ def test_layout_is_what_was_asked(lm):
     lay = lm.layout
     assert lay.capture == ("rpc" if lm.options.capture == "rpc" else "shm")
     assert lay.spawns and (lay.multiprocess or lay.world_size == 2)
+
+
+def test_the_callers_torch_threads_are_left_as_they_were(lm, request):
+    # vLLM's executor sets them to 1 in the process it runs in; an in-process CPU engine started
+    # later in this process then failed with "thread_num == thread_num (2 vs. 1)".
+    before, after = THREADS_AFTER_START[request.node.callspec.params["lm"]]
+    assert after == before
 
 
 def test_rows_match_hf_single_and_batched(lm, hf):

@@ -243,3 +243,18 @@ def test_files_of_a_killed_process_are_removed_by_the_next_one(tmp_path):
     rows = SharedMemoryRows(WIDTH, directory=str(tmp_path))
     assert not orphan.exists() and alive.exists()
     rows.close()
+
+
+def test_cpu_lora_kernel_gives_no_adapter_tokens_no_delta():
+    """vLLM's CPU kernel read index -1 as the last adapter slot; after the fix such tokens get zero."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    from genlm_vllm.vllm_fixes import apply_cpu_fixes
+
+    assert apply_cpu_fixes()
+    x = torch.randn(3, 8)
+    weights = torch.randn(1, 1, 4, 8)  # one adapter slot: rank 4, hidden 8
+    out = torch.full((3, 4), 7.0)
+    punica_cpu.bgmv_shrink(x, weights, out, torch.tensor([-1, 0, -1]), 0.5)
+    assert torch.equal(out[0], torch.zeros(4)) and torch.equal(out[2], torch.zeros(4))
+    assert torch.allclose(out[1], 0.5 * weights[0, 0] @ x[1])

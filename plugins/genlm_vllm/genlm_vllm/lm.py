@@ -27,10 +27,9 @@ from genlm_vllm.processes import (
     EngineFiles,
     Layout,
     check_main_guard,
-    engine_env,
+    engine_start,
     layout,
     on_cpu_build,
-    scoped_env,
 )
 
 try:
@@ -155,7 +154,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
             lm: AsyncVirtualLM = StreamingVirtualLM.start(kwargs, tokenizer, options, lay)
         else:
-            with scoped_env(engine_env(lay)), _hidden_from_vllm_kernel_scan():
+            with engine_start(lay), _hidden_from_vllm_kernel_scan():
                 llm = vllm.LLM(**kwargs)
             lm = cls(llm, tokenizer, options, rows=cls.row_channel(llm, lay), engine_layout=lay)
         if lay.spawns:
@@ -210,8 +209,13 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
         if max_tokens == 0:
             return []
-        item = (request, max_tokens, tuple(sorted(eos)), temperature, seed)
-        return await self.sampler.submit(object(), item)
+        return await self.sample_request(request, max_tokens, tuple(sorted(eos)), temperature, seed)
+
+    async def sample_request(
+        self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
+    ) -> list[int]:
+        """Sample for a validated request: here batched with concurrent calls into one ``generate``."""
+        return await self.sampler.submit(object(), (request, max_tokens, eos, temperature, seed))
 
     def _sample_batch(self, items: list[tuple[Any, ...]]) -> list[list[int]]:
         params = [sampling_params(*item[1:]) for item in items]

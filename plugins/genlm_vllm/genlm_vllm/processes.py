@@ -20,7 +20,7 @@ import inspect
 import logging
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -147,13 +147,19 @@ def engine_env(lay: Layout) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def scoped_env(env: Mapping[str, str]) -> Iterator[None]:
-    """Set ``env`` while an engine starts (its processes inherit it), then restore ours. vLLM caches
-    its settings once an engine has started in this process: that cache is dropped first."""
+def engine_start(lay: Layout) -> Iterator[None]:
+    """Start an engine in ``lay``: set ``engine_env(lay)`` while it starts (its processes inherit
+    it), then restore ours. vLLM caches its settings once an engine has started in this process:
+    that cache is dropped first. An engine whose model runs in other processes leaves this
+    process's torch thread count as it was (vLLM's executor sets it to 1 for itself, which would
+    slow the caller's own torch work and break a later in-process CPU engine)."""
+    import torch
     from vllm import envs
 
+    env = engine_env(lay)
     envs.disable_envs_cache()
     saved = {key: os.environ.get(key) for key in env}
+    threads = torch.get_num_threads()
     os.environ.update(env)
     try:
         yield
@@ -163,6 +169,8 @@ def scoped_env(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        if lay.spawns and torch.get_num_threads() != threads:
+            torch._C.set_num_threads(threads)  # the real one: an in-process CPU engine replaces torch's
 
 
 def _inside_main_guard(tree: ast.Module, line: int) -> bool:

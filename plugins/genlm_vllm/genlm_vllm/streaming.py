@@ -14,7 +14,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -29,7 +29,7 @@ from genlm_vllm.lm import (
     without_stop,
 )
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.processes import Layout, engine_env, scoped_env
+from genlm_vllm.processes import Layout, engine_start
 from genlm_vllm.rows import RowChannel, RpcRows, SharedMemoryRows
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class StreamingVirtualLM(AsyncVirtualLM):
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
         try:
-            with scoped_env(engine_env(lay)), _hidden_from_vllm_kernel_scan():
+            with engine_start(lay), _hidden_from_vllm_kernel_scan():
                 engine = thread.call(build())
         except BaseException:
             thread.stop()
@@ -200,24 +200,12 @@ class StreamingVirtualLM(AsyncVirtualLM):
 
     # ---- sampling -------------------------------------------------------------------------------
 
-    async def sample(
-        self,
-        prompt_token_ids: Any,
-        max_tokens: int,
-        eos_token_ids: Iterable[int],
-        temperature: float = 1.0,
-        seed: int | None = None,
-        lora_name: str | None = None,
+    async def sample_request(
+        self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
     ) -> list[int]:
-        """vLLM's own sampling, streamed like every request (see :meth:`AsyncVirtualLM.sample`)."""
-        request = self.request(prompt_token_ids, lora_name)
-        max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
-        if max_tokens == 0:
-            return []
-        stop = tuple(sorted(eos))
-        return await asyncio.wrap_future(
-            self.engine_thread.submit(self._sample_one(request, sampling_params(max_tokens, stop, temperature, seed)))
-        )
+        """Streamed like every request; cancelling the caller aborts it in the engine."""
+        params = sampling_params(max_tokens, eos, temperature, seed)
+        return await asyncio.wrap_future(self.engine_thread.submit(self._sample_one(request, params)))
 
     async def _sample_one(self, request: Request, params: Any) -> list[int]:
         from vllm.inputs import TokensPrompt

@@ -16,6 +16,7 @@ now made on first use, as the warm-up would have made it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,23 +24,52 @@ import torch
 MARK = "_genlm_fixed"
 
 
-def apply_cpu_fixes() -> None:
-    """Apply every fix here that applies to this platform (idempotent)."""
-    fix_cpu_lora_without_adapter()
-    fix_cpu_pipeline_buffers()
-
-
-def fix_cpu_pipeline_buffers() -> bool:
-    """Apply the pipeline-buffer fix on vLLM's CPU build; returns whether it is in place."""
+def apply_cpu_fixes() -> bool:
+    """Apply every fix here on vLLM's CPU build (idempotent); returns whether they apply here."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return False
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    original = CPUModelRunner.sync_and_gather_intermediate_tensors
+    # sgmv_shrink (prefill) calls bgmv_shrink through its module; the CPU wrapper imported it by name
+    _replace(skip_requests_without_adapter, (lora_ops, punica_cpu), "bgmv_shrink")
+    _replace(make_pipeline_buffer_first, (CPUModelRunner,), "sync_and_gather_intermediate_tensors")
+    return True
+
+
+def _replace(fix: Callable[[Any], Any], owners: tuple[Any, ...], name: str) -> None:
+    original = getattr(owners[0], name)
     if getattr(original, MARK, False):
-        return True
+        return
+    fixed = fix(original)
+    setattr(fixed, MARK, True)
+    for owner in owners:
+        setattr(owner, name, fixed)
+
+
+def skip_requests_without_adapter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The LoRA fix: tokens with adapter index -1 get a zero first step."""
+
+    def bgmv_shrink(
+        inputs: torch.Tensor,
+        lora_b_weights: torch.Tensor,
+        output_tensor: torch.Tensor,
+        lora_indices_tensor: torch.Tensor,
+        scaling: float = 1.0,
+    ) -> None:
+        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
+        without = lora_indices_tensor < 0
+        if bool(without.any()):
+            output_tensor[without] = 0
+
+    return bgmv_shrink
+
+
+def make_pipeline_buffer_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The pipeline fix: create the buffer between stages where the warm-up would have."""
 
     def sync_and_gather_intermediate_tensors(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self.intermediate_tensors is None:
@@ -48,37 +78,4 @@ def fix_cpu_pipeline_buffers() -> bool:
             )
         return original(self, *args, **kwargs)
 
-    setattr(sync_and_gather_intermediate_tensors, MARK, True)
-    CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors  # type: ignore[method-assign]
-    return True
-
-
-def fix_cpu_lora_without_adapter() -> bool:
-    """Apply the LoRA fix on vLLM's CPU build; returns whether it is in place."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False
-    from vllm.lora.ops.torch_ops import lora_ops
-    from vllm.lora.punica_wrapper import punica_cpu
-
-    original = lora_ops.bgmv_shrink
-    if getattr(original, MARK, False):
-        return True
-
-    def bgmv_shrink(
-        inputs: torch.Tensor,
-        lora_b_weights: torch.Tensor,
-        output_tensor: torch.Tensor,
-        lora_indices_tensor: torch.Tensor,
-        scaling: float = 1.0,
-    ) -> Any:
-        original(inputs, lora_b_weights, output_tensor, lora_indices_tensor, scaling)
-        without = lora_indices_tensor < 0
-        if bool(without.any()):
-            output_tensor[without] = 0
-
-    setattr(bgmv_shrink, MARK, True)
-    lora_ops.bgmv_shrink = bgmv_shrink  # sgmv_shrink (prefill) calls it through the module
-    punica_cpu.bgmv_shrink = bgmv_shrink  # the CPU wrapper imported it by name
-    return True
+    return sync_and_gather_intermediate_tensors
