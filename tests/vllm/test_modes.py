@@ -97,15 +97,9 @@ def kept_rows(lm) -> int:
     if isinstance(lm.rows, SharedMemoryRows):
         return lm.rows.in_use
     assert isinstance(lm.rows, RpcRows)
-    replies = [r for r in call_workers(lm, "genlm_kept_rows") if r is not None]
+    replies = [r for r in lm.call_workers("genlm_kept_rows") if r is not None]
     assert len(replies) == 1  # exactly one writing rank
     return replies[0]
-
-
-def call_workers(lm, method: str) -> list:
-    if lm.layout.streaming:
-        return lm.engine_thread.call(lm.llm.collective_rpc(method))
-    return lm.llm.collective_rpc(method)
 
 
 def test_layout_is_what_was_asked(lm):
@@ -219,8 +213,43 @@ def test_rows_of_failed_or_cancelled_requests_are_freed(lm, hf, monkeypatch):
 
 
 def test_exactly_one_rank_writes_rows(lm):
-    where = call_workers(lm, "genlm_where")
+    where = lm.call_workers("genlm_where")
     assert len(where) == lm.layout.world_size
     writers = [w for w in where if w["writer"]]
     assert len(writers) == 1
     assert writers[0]["tp_rank"] == 0 and writers[0]["pp_rank"] == lm.layout.pipeline_parallel - 1
+
+
+def test_the_selftest_passes_and_catches_a_row_that_disagrees_with_vllm(lm, monkeypatch):
+    from genlm_vllm import selftest
+
+    contexts = selftest.contexts_for(lm.vocab_size, n=4)
+    report = selftest.check(lm, contexts)
+    assert report.ok, report.lines()
+    assert report.max_diff_vs_engine <= selftest.TOLERANCE and len(report.workers) == lm.layout.world_size
+    engine_top = lm.engine_top_logprobs
+
+    def shifted(contexts, k):  # as if the rows had been computed for other weights
+        return [{i: lp + 0.01 for i, lp in top.items()} for top in engine_top(contexts, k)]
+
+    monkeypatch.setattr(lm, "engine_top_logprobs", shifted)
+    report = selftest.check(lm, contexts)
+    assert not report.ok and "differs from vLLM's logprobs by 1.00e-02" in report.problems[0]
+
+
+def test_the_selftest_command_reports_and_exits_by_its_result(lm, path, monkeypatch, capsys):
+    import genlm_core
+    from genlm_vllm import selftest
+
+    asked = {}
+
+    def load(name, backend, llm_opts):
+        asked.update(name=name, backend=backend, llm_opts=llm_opts)
+        return lm
+
+    monkeypatch.setattr(genlm_core, "load_model_by_name", load)
+    monkeypatch.setattr(lm, "cleanup", lambda: asked.update(cleaned=True))  # the fixture closes it
+    assert selftest.main([path, "--options", '{"replicas": 1}']) == 0
+    assert asked == {"name": path, "backend": "vllm", "llm_opts": {"replicas": 1}, "cleaned": True}
+    printed = capsys.readouterr().out
+    assert printed.rstrip().endswith("OK") and "(writes rows)" in printed

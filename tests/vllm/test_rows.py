@@ -176,6 +176,53 @@ def test_layouts_and_impossible_combinations():
         VLLMOptions(capture="local", multiprocess=True)
     with pytest.raises(OptionsError, match="cannot reach Ray workers"):
         VLLMOptions(capture="shm", engine_opts={"distributed_executor_backend": "ray"})
+    dp = layout(VLLMOptions(engine="async", engine_opts={"data_parallel_size": 2, "data_parallel_backend": "ray"}))
+    assert (dp.data_parallel, dp.capture, dp.describe()) == (2, "rpc", "AsyncLLM, multiprocess, DP=2, Ray; rows by rpc")
+    with pytest.raises(OptionsError, match="data_parallel_size > 1 runs only under AsyncLLM"):
+        VLLMOptions(engine_opts={"data_parallel_size": 2})
+    with pytest.raises(OptionsError, match="replicas=N runs N LLM engines"):
+        VLLMOptions(replicas=2, engine="async")
+
+
+def test_ray_address_reaches_an_engine_core_in_its_own_process(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray = {"engine_opts": {"distributed_executor_backend": "ray"}, "multiprocess": True}
+    assert engine_env(layout(VLLMOptions(**ray, ray_address="10.0.0.1:6379")))["RAY_ADDRESS"] == "10.0.0.1:6379"
+    assert "RAY_ADDRESS" not in engine_env(layout(VLLMOptions(**ray)))  # none named, none connected
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert engine_env(layout(VLLMOptions(**ray)))["RAY_ADDRESS"] == "10.0.0.2:6379"
+    assert "RAY_ADDRESS" not in engine_env(layout(VLLMOptions(multiprocess=True)))  # no Ray: left alone
+
+
+def test_the_replica_router_keeps_lineages_together_and_balances_new_contexts():
+    from genlm_vllm.replicas import LOOKBACK, PrefixRouter, ReplicaError
+
+    router = PrefixRouter(3)
+    prompts = [[7, i] for i in range(6)]
+    first = router.assign(prompts)
+    assert sorted(first) == [0, 0, 1, 1, 2, 2]  # nothing known: least loaded
+    steps = [p + [1, 2] for p in prompts]  # two SMC steps later
+    assert router.assign(steps) == first
+    two = PrefixRouter(2)
+    assert two.assign([[1], [2]]) == [0, 1]
+    assert two.assign([[2] + [5] * LOOKBACK]) == [1]  # the known prefix is LOOKBACK tokens back
+    assert two.assign([[2] + [6] * (LOOKBACK + 1)]) == [0]  # further back: a new context, least loaded
+    children = [steps[0] + [3, t] for t in range(4)]  # after resampling, four particles continue one parent
+    placed = router.assign(children)
+    assert placed[:2] == [first[0]] * 2 and first[0] not in placed[2:]  # up to its fair share of 4 / 3
+    assert router.assign([c + [9] for c in children]) == placed  # and each stays where it went
+    one_run = PrefixRouter(2)  # every particle of one SMC run extends the same prompt
+    one_run.assign([[5, 5]])
+    assert sorted(one_run.assign([[5, 5, t] for t in range(32)])) == [0] * 16 + [1] * 16
+    router.dead.add(first[0])
+    moved = router.assign([steps[0] + [4]])[0]
+    assert moved != first[0]
+    router.dead.update({0, 1, 2})
+    with pytest.raises(ReplicaError, match="all 3 replicas have failed"):
+        router.assign([[1]])
+    small = PrefixRouter(2, memory=2)
+    small.assign([[1], [2], [3]])
+    assert small._known((1,)) is None and small._known((3,)) is not None  # bounded memory forgets the oldest
 
 
 SCRIPT = """

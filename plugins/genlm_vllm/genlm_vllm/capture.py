@@ -76,6 +76,7 @@ class Segment:
 
 
 _segments: dict[str, Segment] = {}
+ROWS_WRITTEN = 0  #: rows this process has written (on the writing rank), for genlm_where
 
 
 def _segment(path: str, n: int, width: int) -> Segment:
@@ -129,9 +130,11 @@ class CaptureLogits(LogitsProcessor):
             self.writer = is_row_writer()
         if not self.writer:
             return logits
+        global ROWS_WRITTEN
         for index, (args, output_ids) in self.slots.items():
             if output_ids or index >= logits.shape[0]:
                 continue
+            ROWS_WRITTEN += 1
             slot = args.get(SLOT)
             if slot is None:
                 _keep(args[TAG], logits[index].detach().to("cpu", torch.float32, copy=True))
@@ -167,16 +170,40 @@ class RowsExtension:
         return len(ROWS) if is_row_writer() else None
 
     def genlm_where(self) -> dict[str, Any]:
-        """This worker's process id, host and ranks; for tests and the self-test."""
+        """This worker's process, host, node address and ranks, and how its tensor- and
+        pipeline-parallel groups talk (on CPU: "shm" for vLLM's shared-memory collectives, else
+        "torch.distributed", the network path; elsewhere the communicator's class name); for tests
+        and the self-test."""
         import os
         import socket
 
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
+        def path(group: Any) -> str:
+            communicator = getattr(group, "device_communicator", None)
+            if type(communicator).__name__ != "CpuCommunicator":
+                return type(communicator).__name__
+            shm = type(getattr(communicator, "dist_module", None)).__name__ == "_CPUSHMDistributed"
+            return "shm" if shm else "torch.distributed"
+
+        tp, pp = get_tp_group(), get_pp_group()
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "tp_rank": get_tp_group().rank_in_group,
-            "pp_rank": get_pp_group().rank_in_group,
+            "node": os.environ.get("VLLM_HOST_IP") or _ray_node_address(),
+            "tp_rank": tp.rank_in_group,
+            "pp_rank": pp.rank_in_group,
             "writer": is_row_writer(),
+            "rows_written": ROWS_WRITTEN,
+            "tp_path": path(tp) if tp.world_size > 1 else None,
+            "pp_path": path(pp) if pp.world_size > 1 else None,
         }
+
+
+def _ray_node_address() -> str | None:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else None
+    except ImportError:
+        return None

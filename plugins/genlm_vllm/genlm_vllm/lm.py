@@ -11,10 +11,12 @@ the scheduler orders, splits or chunks the batch. Prefix caching is vLLM's own. 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -131,6 +133,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self._lora_ids = 0
         #: shared-memory files vLLM's processes made for this engine (removed at cleanup if orphaned)
         self.engine_files: EngineFiles | None = None
+        atexit.register(_cleanup_if_alive, weakref.ref(self))  # engine processes, Ray actors, files
 
     @classmethod
     def from_name(cls, model: str, /, engine_opts: dict[str, Any] | None = None, **kwargs: Any) -> AsyncVirtualLM:
@@ -142,6 +145,10 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         """The registry factory: starts the engine in the layout ``options`` ask for."""
         from transformers import AutoTokenizer
 
+        if options.replicas > 1:
+            from genlm_vllm.replicas import ReplicatedLM
+
+            return ReplicatedLM.start(model, options)
         lay = layout(options)
         if lay.spawns:
             check_main_guard()
@@ -170,6 +177,18 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         if lay.capture == "shm":
             return SharedMemoryRows(llm.llm_engine.model_config.get_vocab_size())
         return RpcRows(lambda tags, discard: llm.collective_rpc("genlm_pop_rows", args=(tags, discard)))
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run a ``RowsExtension`` method (e.g. ``"genlm_where"``) on every worker; their replies."""
+        return list(self.llm.collective_rpc(method, args=args))
+
+    def engine_top_logprobs(self, contexts: Sequence[Sequence[int]], k: int = 20) -> list[dict[int, float]]:
+        """vLLM's own ``logprobs=k`` for the next token after each context (its sampler's path, not
+        our capture): an independent reference for :mod:`genlm_vllm.selftest`."""
+        params = [SamplingParams(max_tokens=1, logprobs=k, detokenize=False) for _ in contexts]
+        with self.model_lock:
+            outputs = self._generate(contexts, params, [None] * len(contexts))
+        return [{t: float(p.logprob) for t, p in out.outputs[0].logprobs[0].items()} for out in outputs]
 
     # ---- logprobs -------------------------------------------------------------------------------
 
@@ -245,20 +264,41 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
     def close_backend(self) -> None:
         self.sampler.close()
+        group = None
         try:
+            if self.layout.ray and not self.layout.multiprocess:
+                group = self.llm.llm_engine.vllm_config.parallel_config.placement_group
             if self.layout.spawns:  # stop the engine's processes now, not when the garbage collector runs
                 self.llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # a crashed engine: still free what is ours
             log.warning("vLLM engine shutdown failed: %s: %s", type(exc).__name__, exc)
         finally:
             self.llm = None
+            if group is not None:  # vLLM's Ray executor leaves the placement group it made here
+                remove_placement_group(group)
             self.release_files()
 
     def release_files(self) -> None:
         """Remove our shared-memory files, and those the engine's processes left behind."""
         self.rows.close()
         if self.engine_files is not None:
-            self.engine_files.remove_orphans()
+            self.engine_files.remove_orphans(grace=30.0 if self.layout.ray else 0.0)
+
+
+def _cleanup_if_alive(ref: weakref.ref[AsyncVirtualLM]) -> None:
+    lm = ref()
+    if lm is not None and not lm._closed:
+        lm.cleanup()
+
+
+def remove_placement_group(group: Any) -> None:
+    """Remove a Ray placement group (logged, not raised, if Ray has already let it go)."""
+    import ray
+
+    try:
+        ray.util.remove_placement_group(group)
+    except Exception as exc:
+        log.info("removing the engine's Ray placement group: %s: %s", type(exc).__name__, exc)
 
 
 def sampling_params(max_tokens: int, eos: Sequence[int], temperature: float, seed: int | None) -> Any:

@@ -40,6 +40,18 @@ class VLLMOptions(BackendOptions):
         "slots; workers on this host), 'rpc' (vLLM's collective_rpc; reaches workers on other hosts). "
         "'auto' picks the first that reaches the model's processes.",
     )
+    ray_address: str | None = Field(
+        None,
+        description="Address of an existing Ray cluster ('host:port') for the Ray executor, replicas and vLLM's "
+        "data parallel; None: Ray's own RAY_ADDRESS, else the cluster this process is connected to, else what "
+        "vLLM does by default (a local Ray instance).",
+    )
+    replicas: PositiveInt = Field(
+        1,
+        description="Run this many engines as Ray actors, each with the other options (its own TP/PP if asked), "
+        "behind one client: a batch is split across them, and a particle's next request goes where its context "
+        "was computed so that vLLM's prefix cache keeps working.",
+    )
     engine_opts: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM.")
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
@@ -40,6 +41,8 @@ class Layout:
     pipeline_parallel: int
     ray: bool  #: vLLM's Ray executor: workers may sit on other hosts
     capture: str  #: "local", "shm" or "rpc"
+    data_parallel: int = 1  #: vLLM's data-parallel engines (AsyncLLM only)
+    ray_address: str | None = None  #: the Ray cluster to join, if one was named
 
     @property
     def world_size(self) -> int:
@@ -48,7 +51,7 @@ class Layout:
     @property
     def spawns(self) -> bool:
         """Whether starting the engine starts other processes."""
-        return self.multiprocess or self.world_size > 1
+        return self.multiprocess or self.world_size > 1 or self.data_parallel > 1
 
     def describe(self) -> str:
         parts = ["AsyncLLM" if self.streaming else "LLM", "multiprocess" if self.multiprocess else "in-process"]
@@ -56,8 +59,10 @@ class Layout:
             parts.append(f"TP={self.tensor_parallel}")
         if self.pipeline_parallel > 1:
             parts.append(f"PP={self.pipeline_parallel}")
+        if self.data_parallel > 1:
+            parts.append(f"DP={self.data_parallel}")
         if self.ray:
-            parts.append("Ray executor")
+            parts.append("Ray")
         return ", ".join(parts) + f"; rows by {self.capture}"
 
 
@@ -72,7 +77,18 @@ def layout(options: Any) -> Layout:
         raise ValueError("engine='async' (AsyncLLM) always runs its engine core in its own process: multiprocess=False")
     tp = int(opts.get("tensor_parallel_size", 1))
     pp = int(opts.get("pipeline_parallel_size", 1))
-    ray = opts.get("distributed_executor_backend") == "ray"
+    dp = int(opts.get("data_parallel_size", 1))
+    if dp > 1 and not streaming:
+        raise ValueError(
+            "data_parallel_size > 1 runs only under AsyncLLM (vLLM refuses it for LLM): set engine='async', "
+            "or use replicas=N for N independent engines behind one client"
+        )
+    if getattr(options, "replicas", 1) > 1 and (streaming or dp > 1):
+        raise ValueError(
+            "replicas=N runs N LLM engines as Ray actors: use it with engine='llm' and no data_parallel_size "
+            "(for vLLM's own data parallel, use engine='async' with data_parallel_size instead)"
+        )
+    ray = opts.get("distributed_executor_backend") == "ray" or opts.get("data_parallel_backend") == "ray"
     automatic = "rpc" if ray else "local" if not multiprocess and tp * pp == 1 else "shm"
     capture = automatic if options.capture == "auto" else options.capture
     if capture == "local" and automatic != "local":
@@ -82,7 +98,8 @@ def layout(options: Any) -> Layout:
         )
     if capture == "shm" and ray:
         raise ValueError("capture='shm' cannot reach Ray workers on other hosts: use capture='rpc'")
-    return Layout(streaming, multiprocess, tp, pp, ray, capture)
+    address = getattr(options, "ray_address", None) or os.environ.get("RAY_ADDRESS")
+    return Layout(streaming, multiprocess, tp, pp, ray, capture, dp, address)
 
 
 def allowed_cores() -> list[int]:
@@ -132,6 +149,8 @@ def on_cpu_build() -> bool:
 def engine_env(lay: Layout) -> dict[str, str]:
     """Environment variables the engine (and the processes it spawns) must start with."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if lay.multiprocess else "0"}
+    if lay.ray and (address := lay.ray_address or _connected_ray_address()):
+        env["RAY_ADDRESS"] = address  # an engine core in its own process joins the same cluster
     if lay.spawns:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # forking a process that holds threads is unsafe
         if on_cpu_build() and not lay.ray:
@@ -144,6 +163,15 @@ def engine_env(lay: Layout) -> dict[str, str]:
                     "(tensor x pipeline parallel): give one CPU list per rank, separated by '|', or unset it"
                 )
     return env
+
+
+def _connected_ray_address() -> str | None:
+    """The cluster this process is connected to, if any."""
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
 @contextlib.contextmanager
@@ -232,7 +260,11 @@ def modes_here() -> str:
         modes.append(f"tensor/pipeline parallel up to {devices} ranks")
     else:
         modes.append("TP/PP only with ranks sharing one device (slow)")
-    ray = "Ray executor available" if importlib.util.find_spec("ray") else "no Ray (pip install ray) for multi-node"
+    ray = (
+        "Ray executor, replicas and data parallel available"
+        if importlib.util.find_spec("ray")
+        else "no Ray (pip install 'genlm-vllm[ray]') for multi-node"
+    )
     return f"{where}: {', '.join(modes)}; {ray}"
 
 
@@ -280,13 +312,24 @@ class EngineFiles:
         """Call once the engine is up: remember what it created."""
         self.created = {os.path.join(SHM_DIR, n) for n in self._names() - self._before if not n.startswith("genlm-")}
 
-    def remove_orphans(self) -> list[str]:
-        """Delete the engine's files that nothing uses any more; returns their paths."""
-        left = {p for p in self.created if os.path.exists(p)}
-        orphans = sorted(left - _in_use(left)) if left else []
-        for path in orphans:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        if orphans:
-            log.info("genlm-vllm: removed %d shared-memory files left by the engine's processes", len(orphans))
-        return orphans
+    def remove_orphans(self, grace: float = 0.0) -> list[str]:
+        """Delete the engine's files that nothing uses any more; returns their paths. With ``grace``,
+        wait up to that many seconds for processes that still use some to exit (Ray kills actors
+        asynchronously)."""
+        deadline = time.monotonic() + grace
+        removed: list[str] = []
+        while True:
+            left = {p for p in self.created if os.path.exists(p)}
+            used = _in_use(left) if left else set()
+            for path in sorted(left - used):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+            if not used or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if removed:
+            log.info("genlm-vllm: removed %d shared-memory files left by the engine's processes", len(removed))
+        if used:
+            log.info("genlm-vllm: %d of the engine's shared-memory files are still in use", len(used))
+        return removed

@@ -76,6 +76,15 @@ class _Shared:
         self.future.cancel()
 
 
+async def every_worker(engine: Any, lay: Layout, method: str, args: tuple[Any, ...]) -> list[Any]:
+    """``collective_rpc`` on every worker; with vLLM's data parallel, on every engine's workers
+    (AsyncLLM's own ``collective_rpc`` reaches engine 0 only)."""
+    if lay.data_parallel > 1:
+        per_engine = await engine.engine_core.call_utility_all_async("collective_rpc", method, None, args, None)
+        return [reply for replies in per_engine for reply in replies]
+    return await engine.collective_rpc(method, args=args)
+
+
 class StreamingVirtualLM(AsyncVirtualLM):
     """:class:`~genlm_vllm.AsyncVirtualLM` on vLLM's AsyncLLM (``engine="async"``)."""
 
@@ -115,12 +124,16 @@ class StreamingVirtualLM(AsyncVirtualLM):
         if lay.capture == "rpc":
 
             async def pop(tags: list[str], discard: list[str]) -> list[Any]:
-                return await engine.collective_rpc("genlm_pop_rows", args=(tags, discard))
+                return await every_worker(engine, lay, "genlm_pop_rows", (tags, discard))
 
             rows = RpcRows(pop_async=pop)
         else:
             rows = SharedMemoryRows(engine.model_config.get_vocab_size())
         return cls(engine, thread, tokenizer, options, rows=rows, engine_layout=lay)
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run a ``RowsExtension`` method on every worker of every engine; their replies."""
+        return self.engine_thread.call(every_worker(self.llm, self.layout, method, args))
 
     # ---- logprobs -------------------------------------------------------------------------------
 
@@ -188,6 +201,25 @@ class StreamingVirtualLM(AsyncVirtualLM):
             return list(await asyncio.gather(*(self._logits(r) for r in requests)))
 
         return torch.stack(self.engine_thread.call(logits()))
+
+    def engine_top_logprobs(self, contexts: Sequence[Sequence[int]], k: int = 20) -> list[dict[int, float]]:
+        """vLLM's own ``logprobs=k`` for the next token after each context (see the LLM engine's)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        async def one(context: Sequence[int], tag: str) -> dict[int, float]:
+            params = SamplingParams(max_tokens=1, logprobs=k, detokenize=False)
+            final = None
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(context)), params, tag):
+                final = out
+            assert final is not None
+            return {t: float(p.logprob) for t, p in final.outputs[0].logprobs[0].items()}
+
+        async def every() -> list[dict[int, float]]:
+            tags = self.rows.new_tags(len(contexts))
+            return list(await asyncio.gather(*(one(c, t) for c, t in zip(contexts, tags))))
+
+        return self.engine_thread.call(every())
 
     def reset_async_queries(self) -> None:
         """Fail every request still in flight with :class:`~genlm_core.errors.BatcherError` (and

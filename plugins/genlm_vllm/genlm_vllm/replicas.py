@@ -1,0 +1,288 @@
+"""``replicas=N``: N independent engines as Ray actors behind one client (data parallel).
+
+A request flows: the client's batcher -> :meth:`ReplicatedLM.compute_rows` -> :class:`PrefixRouter`
+picks a replica per request -> each replica's share goes to its :class:`ReplicaEngine` actor at once
+-> rows come back as raw float32 bytes and are finished (normalised, cached) here. A replica that
+fails fails only its own requests, and the error names it; new contexts then go to the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from genlm_core.batching import Failed
+from genlm_core.lm import Request
+from genlm_vllm.lm import AsyncVirtualLM
+from genlm_vllm.options import VLLMOptions
+from genlm_vllm.processes import layout
+
+log = logging.getLogger("genlm_vllm")
+
+#: How many tokens back the router looks for a context it has already sent somewhere.
+LOOKBACK = 8
+
+
+class ReplicaError(RuntimeError):
+    """A replica failed (its actor died, or its engine raised); names the replica."""
+
+
+class PrefixRouter:
+    """Chooses a replica per request. A context goes where its longest recently routed prefix (up to
+    :data:`LOOKBACK` tokens shorter: a particle's previous step) went, so that replica's prefix cache
+    holds it, unless that replica already has its fair share of the batch (all particles of one SMC
+    run share the prompt; without the cap they would all stay on the first replica). Everything else
+    goes to the replica with the least work in this batch, and is remembered there."""
+
+    def __init__(self, replicas: int, memory: int = 1 << 16):
+        self.replicas = replicas
+        self.memory = memory
+        self.dead: set[int] = set()
+        self._where: OrderedDict[tuple[int, ...], int] = OrderedDict()
+
+    def assign(self, contexts: Sequence[Sequence[int]]) -> list[int]:
+        """One replica index per context."""
+        alive = [i for i in range(self.replicas) if i not in self.dead]
+        if not alive:
+            raise ReplicaError(f"all {self.replicas} replicas have failed")
+        load = dict.fromkeys(alive, 0)
+        fair_share = -(-len(contexts) // len(alive))
+        chosen = []
+        for context in contexts:
+            key = tuple(context)
+            replica = self._known(key)
+            if replica is None or replica in self.dead or load[replica] >= fair_share:
+                replica = min(alive, key=load.__getitem__)
+            load[replica] += 1
+            chosen.append(replica)
+            self._remember(key, replica)
+        return chosen
+
+    def _known(self, key: tuple[int, ...]) -> int | None:
+        for cut in range(min(LOOKBACK, len(key) - 1) + 1):
+            replica = self._where.get(key[: len(key) - cut])
+            if replica is not None:
+                return replica
+        return None
+
+    def _remember(self, key: tuple[int, ...], replica: int) -> None:
+        self._where[key] = replica
+        self._where.move_to_end(key)
+        while len(self._where) > self.memory:
+            self._where.popitem(last=False)
+
+
+class ReplicaEngine:
+    """One replica, inside a Ray actor: an engine started from the client's options (``replicas=1``)."""
+
+    def __init__(self, model: str, options: dict[str, Any]):
+        self.lm = AsyncVirtualLM.from_options(model, VLLMOptions(**{**options, "replicas": 1}))
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "max_model_len": self.lm.context_limit}
+
+    def logits(self, contexts: list[list[int]], adapters: list[str | None]) -> tuple[int, bytes]:
+        out = self.lm.forward_batch([Request(tuple(c), a) for c, a in zip(contexts, adapters, strict=True)])
+        out = out.to(torch.float32).contiguous()
+        return out.shape[1], out.numpy().tobytes()
+
+    def sample(
+        self,
+        context: list[int],
+        max_tokens: int,
+        eos: tuple[int, ...],
+        temperature: float,
+        seed: int | None,
+        adapter: str | None,
+    ) -> list[int]:
+        return self.lm._sample_batch([(Request(tuple(context), adapter), max_tokens, eos, temperature, seed)])[0]
+
+    def load_lora(self, path: str, name: str) -> None:
+        self.lm.load_lora(path, name)
+
+    def engine_top_logprobs(self, contexts: list[list[int]], k: int) -> list[dict[int, float]]:
+        return self.lm.engine_top_logprobs(contexts, k)
+
+    def remove_lora(self, name: str) -> None:
+        self.lm.remove_lora(name)
+
+    def clear_cache(self) -> None:
+        self.lm.clear_backend_cache()
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        return self.lm.call_workers(method, *args)
+
+    def close(self) -> None:
+        self.lm.cleanup()
+
+
+def wait_for_replicas(actors: list[Any], every: float = 30.0) -> list[dict[str, Any]]:
+    """Each actor's :meth:`ReplicaEngine.info` once its engine is up, logging what is still awaited
+    (a replica waits for Ray to find it a device; loading a large model takes minutes)."""
+    import ray
+
+    refs = [a.info.remote() for a in actors]
+    waited = 0.0
+    while True:
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=every)
+        if not pending:
+            return ray.get(refs)
+        waited += every
+        log.warning(
+            "%d of %d vLLM replicas still starting after %.0f s (Ray resources free now: %s)",
+            len(pending),
+            len(refs),
+            waited,
+            ray.available_resources(),
+        )
+
+
+class ReplicatedLM(AsyncVirtualLM):
+    """``replicas=N`` engines (Ray actors) behind one client; same API as :class:`AsyncVirtualLM`."""
+
+    def __init__(self, actors: list[Any], infos: list[dict[str, Any]], tokenizer: Any, options: VLLMOptions):
+        config = SimpleNamespace(
+            max_model_len=None if infos[0]["max_model_len"] is None else infos[0]["max_model_len"] + 1
+        )
+        super().__init__(SimpleNamespace(model_config=config), tokenizer, options, engine_layout=layout(options))
+        self.actors = actors
+        self.infos = infos
+        self.router = PrefixRouter(len(actors))
+
+    @classmethod
+    def start(cls, model: str, options: VLLMOptions) -> ReplicatedLM:
+        """Start ``options.replicas`` engine actors on the Ray cluster (joined or started here)."""
+        import ray
+        from transformers import AutoTokenizer
+
+        lay = layout(options)
+        if not ray.is_initialized():
+            ray.init(address=lay.ray_address)  # None: Ray's RAY_ADDRESS, else a local instance
+        in_actor = lay.world_size == 1  # a TP/PP replica's own Ray workers claim the devices
+        actor_class: Any = ray.remote(num_cpus=0, num_gpus=1 if in_actor else 0)(ReplicaEngine)
+        settings = options.model_dump(exclude={"replicas"})
+        log.info("starting %d vLLM replicas of %s as Ray actors (%s)", options.replicas, model, lay.describe())
+        actors: list[Any] = [
+            actor_class.options(scheduling_strategy="SPREAD").remote(model, settings) for _ in range(options.replicas)
+        ]
+        try:
+            infos = wait_for_replicas(actors)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor)
+            raise
+        log.info("vLLM replicas on %s", ", ".join(f"{i['node']} (pid {i['pid']})" for i in infos))
+        return cls(actors, infos, AutoTokenizer.from_pretrained(model), options)
+
+    @property
+    def replica_count(self) -> int:
+        return len(self.infos)
+
+    def _name(self, replica: int) -> str:
+        info = self.infos[replica]
+        return f"replica {replica} of {len(self.actors)} (node {info['node']}, pid {info['pid']})"
+
+    # ---- rows -----------------------------------------------------------------------------------
+
+    def compute_rows(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
+        import ray
+
+        chosen = self.router.assign([r.token_ids for r in requests])
+        shares: dict[int, list[int]] = {}
+        for index, replica in enumerate(chosen):
+            shares.setdefault(replica, []).append(index)
+        pending = {
+            replica: self.actors[replica].logits.remote(
+                [list(requests[i].token_ids) for i in idx], [requests[i].adapter for i in idx]
+            )
+            for replica, idx in shares.items()
+        }
+        self.generate_calls += 1
+        out: list[torch.Tensor | Failed] = [Failed(RuntimeError("unreached"))] * len(requests)
+        for replica, idx in shares.items():
+            mine = [requests[i] for i in idx]
+            try:
+                width, data = ray.get(pending[replica])
+                logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(len(idx), width)
+                rows = self.finish_rows(mine, logits)
+            except Exception as exc:
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    self.router.dead.add(replica)
+                error = ReplicaError(f"{self._name(replica)} failed: {type(exc).__name__}: {exc}")
+                rows = [Failed(error)] * len(idx)
+            for i, row in zip(idx, rows, strict=True):
+                out[i] = row
+        return out
+
+    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        raise NotImplementedError("ReplicatedLM computes rows in compute_rows, per replica")
+
+    def forward_uncached(self, request: Request) -> torch.Tensor:
+        row = self.compute_rows([request])[0]
+        if isinstance(row, Failed):
+            raise row.error
+        return row
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    async def sample_request(
+        self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
+    ) -> list[int]:
+        replica = self.router.assign([request.token_ids])[0]
+        ref = self.actors[replica].sample.remote(
+            list(request.token_ids), max_tokens, eos, temperature, seed, request.adapter
+        )
+        try:
+            return await ref
+        except Exception as exc:
+            raise ReplicaError(f"{self._name(replica)} failed: {type(exc).__name__}: {exc}") from exc
+
+    # ---- engines --------------------------------------------------------------------------------
+
+    def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def load_lora(self, path: str, name: str = "lora_1") -> None:
+        super().load_lora(path, name)
+        self._on_every_replica("load_lora", path, name)
+
+    def unload_lora(self, name: str) -> None:
+        self._on_every_replica("remove_lora", name)
+
+    def clear_backend_cache(self) -> None:
+        self._on_every_replica("clear_cache")
+
+    def engine_top_logprobs(self, contexts: Sequence[Sequence[int]], k: int = 20) -> list[dict[int, float]]:
+        """vLLM's own ``logprobs=k``, each context on the replica the router picks for it."""
+        import ray
+
+        chosen = self.router.assign(contexts)
+        refs = [self.actors[r].engine_top_logprobs.remote([list(c)], k) for c, r in zip(contexts, chosen)]
+        return [reply[0] for reply in ray.get(refs)]
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Every replica's workers' replies, replica by replica."""
+        return [reply for replies in self._on_every_replica("call_workers", method, *args) for reply in replies]
+
+    def close_backend(self) -> None:
+        import ray
+
+        self.sampler.close()
+        for replica, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.close.remote(), timeout=60)
+            except Exception as exc:
+                log.info("%s: close: %s: %s", self._name(replica), type(exc).__name__, exc)
+            ray.kill(actor)
+        self.actors = []
+        self.llm = None

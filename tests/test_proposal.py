@@ -1,0 +1,90 @@
+"""masked_proposal against a brute-force walk over each row's kept probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from genlm_core.proposal import masked_proposal
+
+
+def reference(row: torch.Tensor, mask: torch.Tensor, u: float) -> tuple[int, float]:
+    """The first kept token whose running kept probability exceeds u times the kept mass."""
+    kept = [math.exp(x) if m else 0.0 for x, m in zip(row.double().tolist(), mask.tolist())]
+    total = math.fsum(kept)
+    running = 0.0
+    for token, p in enumerate(kept):
+        running += p
+        if p > 0 and running > u * total:
+            return token, math.log(total)
+    return max(i for i, p in enumerate(kept) if p > 0), math.log(total)
+
+
+def random_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g) * 3
+    logits[:, ::7] = float("-inf")  # tokens of probability zero, as after a model's own masking
+    return torch.log_softmax(logits, dim=1)
+
+
+@pytest.mark.parametrize("shared_mask", [True, False])
+def test_tokens_and_kept_mass_match_the_brute_force_walk(shared_mask):
+    rows = random_rows(64, 50, seed=1)
+    g = torch.Generator().manual_seed(2)
+    mask = torch.rand(50, generator=g) < 0.4 if shared_mask else torch.rand(64, 50, generator=g) < 0.4
+    mask[..., 3] = True  # every row keeps some probability
+    uniforms = torch.rand(64, generator=g, dtype=torch.float64)
+    uniforms[:4] = torch.tensor([0.0, 1 - 1e-16, 0.5, 1e-300], dtype=torch.float64)  # the edges
+    step = masked_proposal(rows, mask, uniforms=uniforms)
+    for i in range(64):
+        row_mask = mask if shared_mask else mask[i]
+        token, log_kept = reference(rows[i], row_mask, float(uniforms[i]))
+        assert int(step.tokens[i]) == token
+        assert float(step.log_kept[i]) == pytest.approx(log_kept, abs=1e-12)
+        assert bool(row_mask[token]) and rows[i, token] > float("-inf")
+
+
+def test_draws_follow_the_masked_distribution():
+    row = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25]))
+    mask = torch.tensor([True, False, True, True, False])
+    draws = 40_000
+    step = masked_proposal(row.expand(draws, 5), mask, generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(step.tokens, minlength=5).double()
+    expected = torch.tensor([0.1, 0.0, 0.3, 0.15, 0.0], dtype=torch.float64) / 0.55 * draws
+    assert counts[1] == counts[4] == 0
+    kept = expected > 0
+    chi2 = float((((counts - expected) ** 2)[kept] / expected[kept]).sum())
+    assert chi2 < 13.8  # chi-square, 2 degrees of freedom, p = 0.001
+    assert math.exp(float(step.log_kept[0])) == pytest.approx(0.55, abs=1e-6)
+
+
+def test_one_row_and_no_mask():
+    row = torch.log(torch.tensor([0.25, 0.25, 0.5]))
+    step = masked_proposal(row, uniforms=torch.tensor([0.6]))
+    assert step.tokens.dim() == 0 and int(step.tokens) == 2 and float(step.log_kept) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_generator_makes_draws_reproducible():
+    rows = random_rows(16, 30, seed=3)
+    a = masked_proposal(rows, generator=torch.Generator().manual_seed(7)).tokens
+    b = masked_proposal(rows, generator=torch.Generator().manual_seed(7)).tokens
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("rows", "mask", "uniforms", "message"),
+    [
+        (torch.full((2, 3), float("nan")), None, None, r"rows \[0, 1\] contain NaN"),
+        (torch.zeros(2, 3, 4), None, None, "must be"),
+        (torch.zeros(2, 3), torch.ones(4, dtype=torch.bool), None, r"mask has shape \(4,\)"),
+        (torch.zeros(2, 3), torch.ones(3), None, "bool tensor"),
+        (torch.log(torch.tensor([[0.5, 0.5, 0.0]])), torch.tensor([False, False, True]), None, "keeps no token"),
+        (torch.zeros(2, 3), None, torch.tensor([0.5]), "need 2 uniforms"),
+        (torch.zeros(1, 3), None, torch.tensor([1.0]), r"in \[0, 1\)"),
+    ],
+)
+def test_bad_input_is_an_error(rows, mask, uniforms, message):
+    with pytest.raises(ValueError, match=message):
+        masked_proposal(rows, mask, uniforms=uniforms)
