@@ -287,8 +287,8 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
 def _cleanup_if_alive(ref: weakref.ref[AsyncVirtualLM]) -> None:
     lm = ref()
-    if lm is not None and not lm._closed:
-        lm.cleanup()
+    if lm is not None:
+        lm.cleanup()  # does nothing if it was closed already
 
 
 def remove_placement_group(group: Any) -> None:
