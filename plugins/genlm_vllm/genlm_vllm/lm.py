@@ -188,7 +188,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         params = [SamplingParams(max_tokens=1, logprobs=k, detokenize=False) for _ in contexts]
         with self.model_lock:
             outputs = self._generate(contexts, params, [None] * len(contexts))
-        return [{t: float(p.logprob) for t, p in out.outputs[0].logprobs[0].items()} for out in outputs]
+        return [first_token_logprobs(out) for out in outputs]
 
     # ---- logprobs -------------------------------------------------------------------------------
 
@@ -289,6 +289,11 @@ def _cleanup_if_alive(ref: weakref.ref[AsyncVirtualLM]) -> None:
     lm = ref()
     if lm is not None:
         lm.cleanup()  # does nothing if it was closed already
+
+
+def first_token_logprobs(output: Any) -> dict[int, float]:
+    """The ``logprobs=k`` vLLM returned for the first generated token of a ``RequestOutput``."""
+    return {token: float(lp.logprob) for token, lp in output.outputs[0].logprobs[0].items()}
 
 
 def remove_placement_group(group: Any) -> None:

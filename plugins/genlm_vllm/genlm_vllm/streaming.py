@@ -24,6 +24,7 @@ from genlm_core.batching import Failed
 from genlm_vllm.lm import (
     AsyncVirtualLM,
     _hidden_from_vllm_kernel_scan,
+    first_token_logprobs,
     sampling_params,
     stack_rows,
     without_stop,
@@ -213,7 +214,7 @@ class StreamingVirtualLM(AsyncVirtualLM):
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(context)), params, tag):
                 final = out
             assert final is not None
-            return {t: float(p.logprob) for t, p in final.outputs[0].logprobs[0].items()}
+            return first_token_logprobs(final)
 
         async def every() -> list[dict[int, float]]:
             tags = self.rows.new_tags(len(contexts))
