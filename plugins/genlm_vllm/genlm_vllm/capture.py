@@ -34,6 +34,7 @@ apply_cpu_fixes()  # this module is imported wherever the model runs
 
 TAG = "genlm_capture"  #: extra_args key: the request's tag (a string)
 SLOT = "genlm_slot"  #: extra_args key: [segment path, slots in segment, width, slot index, sequence number]
+CONTEXT = "genlm_context"  #: extra_args key (optional): the :func:`context_fingerprint` the row must be for
 
 #: Rows captured in this process and not yet taken, by tag; bounded by :data:`MAX_KEPT_ROWS`.
 ROWS: dict[str, torch.Tensor] = {}
@@ -43,6 +44,11 @@ ROWS_LOCK = threading.Lock()
 MAX_KEPT_ROWS = 8192
 
 WRITING = -1  #: flag value while a slot is being written
+
+
+def context_fingerprint(token_ids: tuple[int, ...]) -> list[int]:
+    """``[length, hash]`` of a context (a tuple of ints hashes alike in every process)."""
+    return [len(token_ids), hash(token_ids)]
 
 
 def is_row_writer() -> bool:
@@ -99,7 +105,8 @@ class CaptureLogits(LogitsProcessor):
     """Copies the logits of tagged requests; changes nothing."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
-        self.slots: dict[int, tuple[dict[str, Any], list[int]]] = {}  # batch index -> (extra args, output ids)
+        #: batch index -> (extra args, output ids), for tagged requests whose context is the one asked for
+        self.slots: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self.writer: bool | None = None  # decided at the first row: process groups exist by then
 
     def is_argmax_invariant(self) -> bool:
@@ -110,9 +117,9 @@ class CaptureLogits(LogitsProcessor):
             return
         for index in batch_update.removed:
             self.slots.pop(index, None)
-        for index, params, _prompt, output_ids in batch_update.added:
+        for index, params, prompt, output_ids in batch_update.added:
             args = (params.extra_args or {}) if params is not None else {}
-            if TAG in args:
+            if TAG in args and _context_matches(args, prompt):
                 self.slots[index] = (args, output_ids)
             else:
                 self.slots.pop(index, None)
@@ -142,6 +149,17 @@ class CaptureLogits(LogitsProcessor):
                 path, n, width, slot_index, seq = slot
                 _segment(path, n, width).write(slot_index, seq, logits[index].detach())
         return logits
+
+
+def _context_matches(args: dict[str, Any], prompt: list[int] | None) -> bool:
+    """Whether the request runs on the context its tag was issued for (when the tag says which)."""
+    expected = args.get(CONTEXT)
+    if expected is None or prompt is None:
+        return True
+    if context_fingerprint(tuple(prompt)) == list(expected):
+        return True
+    log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])
+    return False
 
 
 class RowsExtension:

@@ -1,7 +1,9 @@
 """``AsyncVirtualLM``: vLLM V1 behind the AsyncLM protocol, full-vocabulary logprobs from inside the engine.
 
-Each batch of requests becomes one ``LLM.generate`` of one token per prompt, run from the batcher's
-single worker thread (``generate`` is not thread-safe; the event loop keeps running meanwhile).
+Each batch of requests becomes one row-sized chunk per request of the engine's resumable sessions
+(:mod:`genlm_vllm.sessions`): a request that extends the context of a request of the previous batch
+continues that sequence in the engine, computing only its new tokens. The engine is driven from the
+batcher's single worker thread (it is not thread-safe; the event loop keeps running meanwhile).
 :class:`~genlm_vllm.capture.CaptureLogits`, a V1 logits processor, copies each request's logits by
 tag wherever the model runs (this process, vLLM's engine-core process, tensor/pipeline-parallel
 workers), and a row channel (:mod:`genlm_vllm.rows`) brings them back; results never depend on how
@@ -16,6 +18,7 @@ import contextlib
 import logging
 import os
 import sys
+import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -42,11 +45,15 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"genlm-vllm needs the vllm module ({exc}): {INSTALL}") from exc
 
 from genlm_vllm.rows import LocalRows, RowChannel, RpcRows, SharedMemoryRows
+from genlm_vllm.sessions import Sessions
 
 log = logging.getLogger(__name__)
 
 if on_cpu_build():  # vLLM's CPU build: the V1 model runner (no Triton CPU backend here)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+#: The smallest KV block vLLM's CPU attention accepts (it takes multiples of 32; its default is 128).
+CPU_BLOCK_SIZE = 32
 
 PROCESSOR = "genlm_vllm.capture:CaptureLogits"
 EXTENSION = "genlm_vllm.capture.RowsExtension"  # vLLM wants a dotted path here
@@ -85,6 +92,9 @@ def engine_kwargs(model: str, options: VLLMOptions, lay: Layout) -> dict[str, An
     }
     if options.max_model_len is not None:
         kwargs["max_model_len"] = options.max_model_len
+    block_size = options.block_size or (CPU_BLOCK_SIZE if on_cpu_build() else None)
+    if block_size is not None:
+        kwargs["block_size"] = block_size
     if options.enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=options.max_lora_rank)
     theirs = options.engine_opts.get("worker_extension_cls")
@@ -130,6 +140,8 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         limit = max_model_len(llm)  # vLLM needs room for the one token it generates after the context
         self.context_limit = None if limit is None else limit - 1
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
+        #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
+        self.sessions = Sessions(llm) if o.live_sessions and isinstance(llm, vllm.LLM) else None
         self._lora_ids = 0
         #: shared-memory files vLLM's processes made for this engine (removed at cleanup if orphaned)
         self.engine_files: EngineFiles | None = None
@@ -193,22 +205,56 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
     # ---- logprobs -------------------------------------------------------------------------------
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        return self.capture_rows(requests, live=self.sessions is not None)
+
+    def forward_uncached(self, request: Request) -> torch.Tensor:
+        """The row of one context from a plain ``generate`` of it alone, salted so that no cached
+        KV block is reused: the reference for the sessions and the prefix cache."""
+        return self.capture_rows([request], live=False, cache_salt=uuid.uuid4().hex)[0]
+
+    def capture_rows(self, requests: Sequence[Request], live: bool, cache_salt: str | None = None) -> torch.Tensor:
+        """Logits of each request, captured in the engine: as chunks of live sessions, or by a plain
+        ``generate`` (with ``cache_salt``: sharing no cached block with other requests)."""
         ticket = self.rows.prepare(len(requests))
-        params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=args) for args in ticket.extra_args]
         finished = False
         try:
-            self._generate([r.token_ids for r in requests], params, [r.adapter for r in requests])
+            if live:
+                assert self.sessions is not None
+                self.sessions.run(requests, ticket.extra_args, [self.lora_request(r.adapter) for r in requests])
+            else:
+                params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=a) for a in ticket.extra_args]
+                self._generate([r.token_ids for r in requests], params, [r.adapter for r in requests], cache_salt)
             rows = self.rows.collect(ticket)
             finished = True
+            return stack_rows(rows, requests)
+        except BaseException:
+            self.release_sessions()  # a failed batch leaves nothing alive that a later batch could continue
+            raise
         finally:
             self.rows.release(ticket, finished)
-        return stack_rows(rows, requests)
 
-    def _generate(self, contexts: Sequence[Sequence[int]], params: list[Any], adapters: Iterable[str | None]) -> Any:
-        prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-        loras = [self.adapters[a] if a is not None else None for a in adapters]
+    def _generate(
+        self,
+        contexts: Sequence[Sequence[int]],
+        params: list[Any],
+        adapters: Iterable[str | None],
+        cache_salt: str | None = None,
+    ) -> Any:
+        self.release_sessions()
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        prompts = [TokensPrompt(prompt_token_ids=list(c), **salt) for c in contexts]  # type: ignore[typeddict-item]
+        loras = [self.lora_request(a) for a in adapters]
         self.generate_calls += 1
         return self.llm.generate(prompts, params, lora_request=loras if any(loras) else None, use_tqdm=False)
+
+    def lora_request(self, adapter: str | None) -> Any:
+        """vLLM's ``LoRARequest`` for a loaded adapter's name (None: the base model)."""
+        return None if adapter is None else self.adapters[adapter]
+
+    def release_sessions(self) -> None:
+        """End the engine's live sequences (before any other use of the engine)."""
+        if self.sessions is not None:
+            self.sessions.release_all()
 
     # ---- sampling -------------------------------------------------------------------------------
 
@@ -255,11 +301,13 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.adapters[name] = LoRARequest(name, self._lora_ids, path)
 
     def unload_lora(self, name: str) -> None:
+        self.release_sessions()
         self.llm.llm_engine.remove_lora(self.adapters[name].lora_int_id)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def clear_backend_cache(self) -> None:
+        self.release_sessions()  # parked sessions hold blocks: the prefix cache cannot be reset under them
         self.llm.reset_prefix_cache()
 
     def close_backend(self) -> None:
@@ -268,6 +316,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         try:
             if self.layout.ray and not self.layout.multiprocess:
                 group = self.llm.llm_engine.vllm_config.parallel_config.placement_group
+            self.release_sessions()
             if self.layout.spawns:  # stop the engine's processes now, not when the garbage collector runs
                 self.llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # a crashed engine: still free what is ours

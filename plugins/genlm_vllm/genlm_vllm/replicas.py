@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from genlm_core.batching import Failed
+from genlm_core.lineage import nearest_prefix
 from genlm_core.lm import Request
 from genlm_vllm.lm import AsyncVirtualLM
 from genlm_vllm.options import VLLMOptions
@@ -65,11 +66,8 @@ class PrefixRouter:
         return chosen
 
     def _known(self, key: tuple[int, ...]) -> int | None:
-        for cut in range(min(LOOKBACK, len(key) - 1) + 1):
-            replica = self._where.get(key[: len(key) - cut])
-            if replica is not None:
-                return replica
-        return None
+        hit = nearest_prefix(self._where.get, key, LOOKBACK)
+        return None if hit is None else hit[1]
 
     def _remember(self, key: tuple[int, ...], replica: int) -> None:
         self._where[key] = replica

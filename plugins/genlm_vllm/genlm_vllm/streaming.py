@@ -180,7 +180,7 @@ class StreamingVirtualLM(AsyncVirtualLM):
         ticket = self.rows.prepare(1)
         params = sampling_params(1, (), 1.0, None)
         params.extra_args = ticket.extra_args[0]
-        adapter = self.adapters[request.adapter] if request.adapter is not None else None
+        adapter = self.lora_request(request.adapter)
         self.generate_calls += 1
         finished = False
         try:
@@ -243,7 +243,7 @@ class StreamingVirtualLM(AsyncVirtualLM):
     async def _sample_one(self, request: Request, params: Any) -> list[int]:
         from vllm.inputs import TokensPrompt
 
-        adapter = self.adapters[request.adapter] if request.adapter is not None else None
+        adapter = self.lora_request(request.adapter)
         self.generate_calls += 1
         final = None
         prompt = TokensPrompt(prompt_token_ids=list(request.token_ids))

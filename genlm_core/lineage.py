@@ -1,0 +1,89 @@
+"""Which request continues which context: the lineage of particles across the steps of a program.
+
+A particle program asks for ``ids``, picks a token ``t``, then asks for ``ids + [t]``. An engine that
+keeps sequences alive between calls (vLLM's resumable sessions) continues the live sequence of
+``ids`` with ``[t]`` instead of computing ``ids + [t]`` again; a router sends ``ids + [t]`` where
+``ids`` was computed. Both ask the same question, answered here once: the nearest earlier context
+that a request extends by at most ``lookback`` tokens.
+
+Matching is on the exact token tuple (and adapter), never on object identity, so a row always
+belongs to exactly the context the caller gave.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from genlm_core.lm import Request
+
+V = TypeVar("V")
+H = TypeVar("H")
+
+#: A context and the adapter it runs under: what a live sequence is known by.
+LineageKey = tuple[str | None, tuple[int, ...]]
+
+
+def nearest_prefix(
+    lookup: Callable[[tuple[int, ...]], V | None], context: tuple[int, ...], lookback: int, shortest_cut: int = 0
+) -> tuple[int, V] | None:
+    """The first hit of ``lookup`` on ``context`` less ``shortest_cut``, ``shortest_cut + 1``, ...,
+    ``lookback`` trailing tokens (never the empty context): ``(tokens cut, value)``, or None."""
+    for cut in range(shortest_cut, min(lookback, len(context) - 1) + 1):
+        value = lookup(context[: len(context) - cut])
+        if value is not None:
+            return cut, value
+    return None
+
+
+@dataclass(frozen=True)
+class Continuation(Generic[H]):
+    """A request that extends a live sequence: feed ``new_tokens`` to ``handle``."""
+
+    handle: H
+    new_tokens: tuple[int, ...]
+
+
+class LiveContexts(Generic[H]):
+    """The sequences an engine holds alive after a batch, by exact context; each is continued by
+    at most one request of the next batch.
+
+    :meth:`plan` matches a batch against them and hands back the ones nobody continued (release
+    them); afterwards the caller :meth:`keep` s the sequences the batch left alive. A sequence is
+    live for one batch only: a program that skips a step or goes back gets a fresh computation,
+    which is always right."""
+
+    def __init__(self, lookback: int = 1):
+        self.lookback = lookback
+        self._live: dict[LineageKey, H] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def plan(self, requests: Sequence[Request]) -> tuple[list[Continuation[H] | None], list[H]]:
+        """One :class:`Continuation` (or None: compute afresh) per request, and the handles that no
+        request continues. Empties the live set: every handle is either continued or released."""
+        live, self._live = self._live, {}
+        plan: list[Continuation[H] | None] = []
+        for request in requests:
+
+            def claim(prefix: tuple[int, ...], adapter: str | None = request.adapter) -> H | None:
+                return live.pop((adapter, prefix), None)  # a live sequence is continued once
+
+            hit = nearest_prefix(claim, request.token_ids, self.lookback, shortest_cut=1)
+            if hit is None:
+                plan.append(None)
+            else:
+                cut, handle = hit
+                plan.append(Continuation(handle, request.token_ids[-cut:]))
+        return plan, list(live.values())
+
+    def keep(self, request: Request, handle: H) -> None:
+        """``handle`` holds ``request``'s context alive for the next batch."""
+        self._live[(request.adapter, request.token_ids)] = handle
+
+    def release_all(self) -> list[H]:
+        """Forget every live sequence; their handles, to release."""
+        handles, self._live = list(self._live.values()), {}
+        return handles

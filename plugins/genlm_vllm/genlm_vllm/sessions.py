@@ -1,0 +1,152 @@
+"""Particles that stay alive in the engine: an SMC step costs one decode step per particle.
+
+A particle program asks for the row after ``ids``, draws ``t``, and asks for ``ids + [t]``. Submitted
+as a new request, ``ids + [t]`` would be computed again from its last cached block. Instead each row
+is computed as a chunk of a vLLM *resumable session* (``resumable=True``): when the chunk's one
+sampled token is out, the scheduler parks the session with its KV blocks, and the next chunk with
+the same request id appends its prompt tokens (here: the caller's ``t``) in place of that sampled
+token, which is discarded. The continuation computes exactly the new tokens.
+
+Who continues what is decided by core's :class:`~genlm_core.lineage.LiveContexts` on exact token
+tuples: a live session is continued by at most one request of the next batch; other requests with
+the same parent (forks after resampling) start sessions of their own whose full blocks come from
+vLLM's prefix cache, so they recompute at most the unfinished last block; sessions nobody continued
+are aborted (their full blocks stay in the prefix cache). Every chunk also carries its context's
+length and hash, and the capture processor writes no row for a chunk whose context in the engine
+differs: a bookkeeping error becomes a missing-row error, never a wrong row.
+
+The engine core is driven directly (``add_request`` / ``get_output`` / ``abort_requests``), so this
+works wherever the core runs (this process, its own process, with TP/PP or Ray workers). vLLM's
+output processor is bypassed: rows come back through the capture channel, and in-process it would
+share the session's prompt list with the scheduler and extend it twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from genlm_core import Request
+from genlm_core.lineage import LiveContexts
+from genlm_vllm.capture import CONTEXT, context_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionStats:
+    """What the sessions computed: rows, how many continued a live session, and prompt tokens."""
+
+    batches: int = 0
+    rows: int = 0
+    continued: int = 0
+    tokens_computed: int = 0  #: tokens the model ran (continuations' new tokens, fresh prompts' uncached part)
+    tokens_cached: int = 0  #: fresh prompts' tokens served by vLLM's prefix cache
+
+
+class Sessions:
+    """Live sequences of one ``vllm.LLM`` engine, continued across batches of requests."""
+
+    def __init__(self, llm: Any, lookback: int = 1):
+        engine = llm.llm_engine
+        self.core = engine.engine_core
+        self.inputs = engine.input_processor
+        self.tasks = engine.get_supported_tasks()
+        self.live: LiveContexts[str] = LiveContexts(lookback)
+        self.stats = SessionStats()
+        config = engine.vllm_config
+        self.token_budget = config.scheduler_config.max_num_batched_tokens
+        # Parked sessions hold a scheduler slot and KV blocks that vLLM cannot preempt. Keep one slot
+        # and a longest context's worth of KV for everything else, so that the scheduler never waits
+        # on parked sessions for ever.
+        self.max_live = config.scheduler_config.max_num_seqs - 1
+        cache = config.cache_config
+        capacity = (cache.num_gpu_blocks or 0) * cache.block_size
+        self.block_size = cache.block_size
+        self.kv_budget = capacity - config.model_config.max_model_len
+        self._prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+
+    def run(self, requests: Sequence[Request], extra_args: Sequence[dict[str, Any]], loras: Sequence[Any]) -> None:
+        """Compute one row per request (captured by its ``extra_args``' tag), continuing live
+        sessions where a request extends one; on return the batch's sessions are the live ones."""
+        plan, released = self.live.plan(requests)
+        if released:
+            self.core.abort_requests(released)
+        self.stats.batches += 1
+        live_slots, kv_left = self.max_live, self.kv_budget
+        chunks: dict[str, int] = {}  # request id -> index in the batch
+        resumable: list[bool] = []
+        for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
+            kv = len(request.token_ids) + self.block_size
+            if continuation is not None:
+                rid, tokens, keep = continuation.handle, continuation.new_tokens, True
+                self.stats.continued += 1
+                self.stats.tokens_computed += len(tokens)
+            else:
+                rid, tokens = f"genlm-{self._prefix}-{next(self._ids)}", request.token_ids
+                keep = live_slots > 0 and kv <= kv_left
+            if keep:
+                live_slots, kv_left = live_slots - 1, kv_left - kv
+            args = {**extra_args[i], CONTEXT: context_fingerprint(request.token_ids)}
+            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
+            chunk = self.inputs.process_inputs(
+                rid,
+                TokensPrompt(prompt_token_ids=list(tokens)),  # a fresh list: the scheduler extends it
+                params,
+                supported_tasks=self.tasks,
+                lora_request=loras[i],
+                resumable=keep,
+            )
+            chunk.external_req_id = rid
+            self.core.add_request(chunk)
+            chunks[rid] = i
+            resumable.append(keep)
+        failed = self._wait(chunks, sum(len(r.token_ids) for r in requests))
+        self.stats.rows += len(requests)
+        ended = [rid for rid, i in chunks.items() if resumable[i] and rid in failed]
+        if ended:
+            self.core.abort_requests(ended)
+        for rid, i in chunks.items():
+            if resumable[i] and rid not in failed:
+                self.live.keep(requests[i], rid)
+
+    def _wait(self, chunks: dict[str, int], tokens: int) -> set[str]:
+        """Step the engine until every chunk has its token; the ids of chunks that ended otherwise
+        (their rows are missing, and the caller's error names them)."""
+        pending, failed = set(chunks), set()
+        idle, patience = 0, tokens // max(self.token_budget, 1) + 64  # steps with no output: prefill chunks
+        try:
+            while pending:
+                outputs = self.core.get_output().outputs
+                idle = 0 if outputs else idle + 1
+                if idle > patience:
+                    raise RuntimeError(f"vLLM made no progress on {len(pending)} requests in {idle} engine steps")
+                for out in outputs:
+                    if out.request_id not in pending:
+                        continue
+                    if not out.new_token_ids:  # aborted or failed in the engine
+                        failed.add(out.request_id)
+                    pending.discard(out.request_id)
+                    stats = out.prefill_stats
+                    if stats is not None:
+                        self.stats.tokens_computed += stats.num_computed_tokens
+                        self.stats.tokens_cached += stats.num_cached_tokens
+        except BaseException:
+            self.core.abort_requests(list(chunks))
+            raise
+        return failed
+
+    def release_all(self) -> None:
+        """Abort every live session (before anything else uses the engine: a parked session keeps
+        ``LLM.generate`` from ever seeing an idle engine)."""
+        handles = self.live.release_all()
+        if handles:
+            self.core.abort_requests(handles)

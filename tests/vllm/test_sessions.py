@@ -1,0 +1,149 @@
+"""Live sessions: particles continue their sequence in the engine, and every row stays exact.
+
+The reference for each row is ``next_token_logprobs_uncached``: a plain generate of the full context
+alone, salted so that it shares no cached KV block with anything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from genlm_core import Request, load_model_by_name
+from genlm_core.lineage import Continuation, LiveContexts, nearest_prefix
+from genlm_core.testing.models import tiny_model_dir
+from genlm_vllm.lm import CPU_BLOCK_SIZE
+
+MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+ENGINE = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 256 * 2**20,
+    "enforce_eager": True,
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    lm = load_model_by_name(
+        str(tiny_model_dir("llama", **MODEL)),
+        backend="vllm",
+        llm_opts={"dtype": "float32", "max_model_len": 1024, "batch_size": 64, "timeout": 0, "engine_opts": ENGINE},
+    )
+    yield lm
+    lm.cleanup()
+
+
+def check_rows(engine, seen: list[tuple[tuple[int, ...], torch.Tensor]], tol: float = 1e-5) -> None:
+    worst = max((row - engine.next_token_logprobs_uncached(list(c))).abs().max().item() for c, row in seen)
+    assert worst <= tol, worst
+
+
+def test_cpu_default_block_size_is_the_smallest_the_engine_accepts(engine):
+    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
+
+
+async def test_smc_with_resampling_cancellation_and_early_stops_is_exact(engine):
+    """300 steps of 12 particles: each step continues live sessions; resampling forks; some
+    requests are cancelled, some particles stop, one goes back to an older context, two race."""
+    rng = random.Random(0)
+    engine.clear_cache()
+    sessions = engine.sessions
+    sessions.stats.__init__()
+    prompt = tuple(rng.randrange(100, 5000) for _ in range(40))
+    particles = [prompt] * 12
+    seen: list[tuple[tuple[int, ...], torch.Tensor]] = []
+    cancelled = 0
+    for step in range(300):
+        contexts = list(particles)
+        if step % 37 == 5:
+            contexts.append(contexts[0][:-2] if len(contexts[0]) > len(prompt) + 2 else prompt)  # an older context
+        if step % 11 == 3 and len(contexts) > 1:
+            contexts.append(contexts[1])  # two particles racing on one context
+        tasks = [asyncio.ensure_future(engine.next_token_logprobs(list(c))) for c in contexts]
+        doomed = {i for i in range(len(tasks)) if rng.random() < 0.05}
+        await asyncio.sleep(0)  # submitted: the batch is being computed
+        for i in doomed:
+            tasks[i].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        next_particles = []
+        for i, (context, row) in enumerate(zip(contexts, results, strict=True)):
+            if isinstance(row, asyncio.CancelledError):
+                cancelled += 1
+                continue
+            seen.append((context, row))
+            if i < len(particles):
+                if rng.random() < 0.01 and len(particles) > 4:
+                    continue  # this particle stops early
+                token = int(torch.multinomial(row.exp(), 1, generator=torch.Generator().manual_seed(step * 97 + i)))
+                next_particles.append((*context, token))
+        if step % 10 == 9 and next_particles:  # multinomial resampling: forks of equal contexts
+            next_particles = [rng.choice(next_particles) for _ in range(len(particles))]
+        particles = next_particles or [prompt]
+        if step % 97 == 96:
+            engine.clear_cache()  # the output cache and the sessions, dropped now and then
+    assert cancelled > 0
+    stats = sessions.stats
+    assert stats.continued >= 0.8 * stats.rows, stats  # particles really stayed alive
+    assert stats.tokens_cached > 0, stats  # forks and fallbacks hit vLLM's prefix cache
+    check_rows(engine, rng.sample(seen, 400))
+
+
+async def test_forks_recompute_at_most_the_unfinished_block(engine):
+    engine.clear_cache()
+    base = tuple(range(200, 300))  # 100 tokens: three full blocks of 32, four tokens over
+    await engine.next_token_logprobs(list(base))
+    stats = engine.sessions.stats
+    stats.__init__()
+    children = [(*base, t) for t in (5, 6, 7, 8)]
+    rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
+    assert stats.continued == 1
+    assert stats.tokens_computed == 1 + 3 * (len(base) + 1 - 3 * CPU_BLOCK_SIZE), stats
+    assert stats.tokens_cached == 3 * 3 * CPU_BLOCK_SIZE, stats
+    check_rows(engine, list(zip(children, rows, strict=True)))
+
+
+async def test_sampling_and_cache_clearing_between_steps_release_sessions(engine):
+    engine.clear_cache()
+    ids = list(range(300, 340))
+    row = await engine.next_token_logprobs(ids)
+    assert len(engine.sessions.live) == 1
+    sample = await engine.sample(ids, 5, eos_token_ids=[], seed=1)  # a generate: needs an idle engine
+    assert len(sample) == 5 and len(engine.sessions.live) == 0
+    rows = await asyncio.gather(*(engine.next_token_logprobs(ids + [t]) for t in (1, 2)))
+    check_rows(engine, [(tuple(ids), row), ((*ids, 1), rows[0]), ((*ids, 2), rows[1])])
+
+
+def test_a_chunk_on_another_context_than_its_tag_gets_no_row(engine, monkeypatch):
+    """The capture processor checks each chunk's context: a bookkeeping slip is a missing row."""
+    engine.clear_cache()
+    ids = list(range(400, 420))
+    engine.next_token_logprobs_sync(ids)
+    assert len(engine.sessions.live) == 1
+    monkeypatch.setattr("genlm_vllm.sessions.context_fingerprint", lambda ids: [len(ids), 12345])
+    with pytest.raises(RuntimeError, match="no logits for 1 of 1"):
+        engine.next_token_logprobs_sync([*ids, 9])
+    monkeypatch.undo()
+    assert len(engine.sessions.live) == 0  # a failed batch leaves no session alive
+    check_rows(engine, [((*ids, 9), engine.next_token_logprobs_sync([*ids, 9]))])
+
+
+def test_live_contexts_plan():
+    live: LiveContexts[str] = LiveContexts(lookback=2)
+    live.keep(Request((1, 2, 3)), "a")
+    live.keep(Request((1, 2, 3), "lora"), "b")
+    live.keep(Request((7, 8)), "c")
+    requests = [Request((1, 2, 3, 4)), Request((1, 2, 3, 5)), Request((1, 2, 3, 4, 6), "lora"), Request((1, 2, 3))]
+    plan, released = live.plan(requests)
+    assert plan == [Continuation("a", (4,)), None, Continuation("b", (4, 6)), None]
+    assert released == ["c"] and len(live) == 0
+    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=1) is None
+    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=2) == (2, "x")
+    assert nearest_prefix({(1,): "x"}.get, (1,), lookback=5) == (0, "x")
