@@ -136,7 +136,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.sampler: AutoBatcher[tuple[Any, ...], list[int]] = AutoBatcher(
             self._sample_batch, batch_size=o.batch_size, timeout=o.timeout, run_in_thread=True, name="vllm-sample"
         )
-        self.generate_calls = 0
+        self.generate_calls = 0  #: batches handed to the engine: generate calls and session runs
         limit = max_model_len(llm)  # vLLM needs room for the one token it generates after the context
         self.context_limit = None if limit is None else limit - 1
         self.adapters: dict[str, Any] = {}  # loaded LoRA adapters: name -> LoRARequest
@@ -220,6 +220,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         try:
             if live:
                 assert self.sessions is not None
+                self.generate_calls += 1
                 self.sessions.run(requests, ticket.extra_args, [self.lora_request(r.adapter) for r in requests])
             else:
                 params = [SamplingParams(max_tokens=1, detokenize=False, extra_args=a) for a in ticket.extra_args]

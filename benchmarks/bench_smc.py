@@ -1,0 +1,158 @@
+"""SMC on genlm against the engine's own decode of the same tokens, one run, interleaved.
+
+For each backend (vLLM, HF) one model is loaded (SmolLM2-135M, float32), then for each case
+(prompt length, steps T, constrained or not) two things are timed, alternating (engine, ours,
+engine, ours, ...), every cache cleared before each:
+
+- engine: the engine's own batched decode of N continuations of T tokens from the prompt
+  (vLLM: ``generate(n=N, max_tokens=T, ignore_eos=True)``; HF: ``model.generate`` with its KV cache);
+- ours: ``examples/smc.py``'s SMC (N particles, masked proposal, multinomial resampling when ESS
+  falls below N/2) for T steps, each particle awaiting its own ``next_token_logprobs``. EOS is
+  outside the mask so that every particle runs all T steps: the same N x T tokens as the engine.
+
+Beside the times: rows the model computed per step, tokens it ran per step (vLLM: continued
+sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count), and tokens
+vLLM's prefix cache served.
+
+    python benchmarks/bench_smc.py [--backends vllm,hf] [--rounds 3] [--n 32] [--steps 32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from genlm_core import load_model_by_name
+from genlm_core.cli import table
+from genlm_core.testing.models import smollm2_dir
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from smc import smc, token_mask
+
+
+def prompt_of(lm: Any, length: int) -> list[int]:
+    text = "The history of the city begins with a small settlement on the river. " * 40
+    ids = list(lm.tokenizer.encode(text))
+    return ids[:length]
+
+
+class Engine:
+    """The engine's own decode of N x T tokens from one prompt, and what to reset between runs."""
+
+    def __init__(self, lm: Any, backend: str):
+        self.lm, self.backend = lm, backend
+
+    def decode(self, prompt: list[int], n: int, steps: int) -> None:
+        if self.backend == "vllm":
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+
+            params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False, seed=0)
+            self.lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        else:
+            ids = torch.tensor([prompt] * n)
+            with torch.inference_mode():
+                self.lm.model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=steps,
+                    min_new_tokens=steps,
+                    do_sample=True,
+                    top_k=0,
+                    pad_token_id=0,
+                )
+
+    def reset(self) -> None:
+        self.lm.clear_cache()  # output cache, KV states / prefix cache, live sessions
+        gc.collect()
+
+
+def counters(lm: Any, backend: str) -> dict[str, int]:
+    if backend == "vllm":
+        s = lm.sessions.stats
+        return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached}
+    return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0}
+
+
+def run_case(engine: Engine, backend: str, prompt: list[int], n: int, steps: int, mask: torch.Tensor, rounds: int):
+    lm = engine.lm
+    times: dict[str, list[float]] = {"engine": [], "ours": []}
+    work: dict[str, float] = {}
+    for r in range(rounds + 1):  # round 0 warms both up and is not counted
+        engine.reset()
+        t0 = time.perf_counter()
+        engine.decode(prompt, n, steps)
+        t_engine = time.perf_counter() - t0
+        engine.reset()
+        before = counters(lm, backend)
+        t0 = time.perf_counter()
+        asyncio.run(smc(lm, prompt, n, steps, mask, set(), seed=r))
+        t_ours = time.perf_counter() - t0
+        after = counters(lm, backend)
+        if r:
+            times["engine"].append(t_engine)
+            times["ours"].append(t_ours)
+            work = {k: (after[k] - before[k]) / steps for k in after}
+    ratios = [o / e for o, e in zip(times["ours"], times["engine"], strict=True)]
+    return statistics.median(times["engine"]), statistics.median(times["ours"]), ratios, work
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="vllm,hf")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--n", type=int, default=32)
+    ap.add_argument("--steps", default="32,64")
+    ap.add_argument("--prompts", default="24,500")
+    args = ap.parse_args()
+    model = str(smollm2_dir())
+    rows = []
+    for backend in args.backends.split(","):
+        opts: dict[str, Any] = {"batch_size": args.n, "timeout": 0, "dtype": "float32"}
+        if backend == "vllm":
+            opts["engine_opts"] = {"kv_cache_memory_bytes": 2**30, "seed": 0}
+        t0 = time.perf_counter()
+        lm = load_model_by_name(model, backend=backend, llm_opts=opts)
+        print(f"{backend}: loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        engine = Engine(lm, backend)
+        lipogram = token_mask(lm, b"e", None, set())
+        everything = torch.ones(len(lm.byte_vocab), dtype=torch.bool)
+        for length in (int(x) for x in args.prompts.split(",")):
+            prompt = prompt_of(lm, length)
+            for steps in (int(x) for x in args.steps.split(",")):
+                for name, mask in (("lipogram", lipogram), ("none", everything)):
+                    t_e, t_o, ratios, work = run_case(engine, backend, prompt, args.n, steps, mask, args.rounds)
+                    rows.append(
+                        [
+                            backend,
+                            str(len(prompt)),
+                            str(steps),
+                            name,
+                            f"{t_e:.2f} s",
+                            f"{t_o:.2f} s",
+                            f"{statistics.median(ratios):.2f}x",
+                            f"{min(ratios):.2f}-{max(ratios):.2f}",
+                            f"{work['rows']:.1f}",
+                            f"{work['computed']:.1f}",
+                            f"{work['cached']:.0f}",
+                        ]
+                    )
+                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+        lm.cleanup()
+        del lm, engine
+        gc.collect()
+    header = ["backend", "prompt", "T", "constraint", "engine decode", "SMC (ours)", "ratio", "spread"]
+    print(table([*header, "rows/step", "tokens run/step", "prefix-cache tokens/step"], rows))
+    print(f"\nN={args.n} particles, SmolLM2-135M float32, {args.rounds} interleaved rounds after a warm-up; CPU.")
+
+
+if __name__ == "__main__":
+    main()
