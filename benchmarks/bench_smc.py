@@ -1,11 +1,12 @@
 """SMC on genlm against the engine's own decode of the same tokens, one run, interleaved.
 
-For each backend (vLLM, HF) one model is loaded (SmolLM2-135M, float32), then for each case
+For each backend (vLLM, HF, MLX) one model is loaded (SmolLM2-135M, float32), then for each case
 (prompt length, steps T, constrained or not) two things are timed, alternating (engine, ours,
 engine, ours, ...), every cache cleared before each:
 
 - engine: the engine's own batched decode of N continuations of T tokens from the prompt
-  (vLLM: ``generate(n=N, max_tokens=T, ignore_eos=True)``; HF: ``model.generate`` with its KV cache);
+  (vLLM: ``generate(n=N, max_tokens=T, ignore_eos=True)``; HF: ``model.generate`` with its KV cache;
+  MLX: mlx-lm's batched decode with ``BatchKVCache``, as in ``bench_mlx.py``);
 - ours: ``examples/smc.py``'s SMC (N particles, masked proposal, multinomial resampling when ESS
   falls below N/2) for T steps, each particle awaiting its own ``next_token_logprobs``. EOS is
   outside the mask so that every particle runs all T steps: the same N x T tokens as the engine.
@@ -15,6 +16,7 @@ sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count
 vLLM's prefix cache served.
 
     python benchmarks/bench_smc.py [--backends vllm,hf] [--rounds 3] [--n 32] [--steps 32,64]
+    bash benchmarks/mlx_openblas.sh benchmarks/bench_smc.py --backends mlx   # MLX with OpenBLAS
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import os
 import statistics
 import sys
 import time
@@ -57,6 +61,10 @@ class Engine:
 
             params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False, seed=0)
             self.lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        elif self.backend == "mlx":
+            from bench_mlx import plain_decode
+
+            plain_decode(self.lm.model, prompt, n, steps)
         else:
             ids = torch.tensor([prompt] * n)
             with torch.inference_mode():
@@ -77,12 +85,16 @@ class Engine:
 
 def counters(lm: Any, backend: str) -> dict[str, int]:
     if backend == "vllm":
+        if lm.sessions is None:  # live_sessions=False: rows only
+            return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0}
         s = lm.sessions.stats
         return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached}
     return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0}
 
 
-def run_case(engine: Engine, backend: str, prompt: list[int], n: int, steps: int, mask: torch.Tensor, rounds: int):
+def run_case(
+    engine: Engine, backend: str, prompt: list[int], n: int, steps: int, mask: torch.Tensor, rounds: int, ess: float
+):
     lm = engine.lm
     times: dict[str, list[float]] = {"engine": [], "ours": []}
     work: dict[str, float] = {}
@@ -94,7 +106,7 @@ def run_case(engine: Engine, backend: str, prompt: list[int], n: int, steps: int
         engine.reset()
         before = counters(lm, backend)
         t0 = time.perf_counter()
-        asyncio.run(smc(lm, prompt, n, steps, mask, set(), seed=r))
+        asyncio.run(smc(lm, prompt, n, steps, mask, set(), seed=r, ess_threshold=ess))
         t_ours = time.perf_counter() - t0
         after = counters(lm, backend)
         if r:
@@ -112,15 +124,19 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--steps", default="32,64")
     ap.add_argument("--prompts", default="24,500")
+    ap.add_argument("--opts", type=json.loads, default={}, help="more llm_opts, as JSON: '{\"live_sessions\": false}'")
+    ap.add_argument("--ess", type=float, default=0.5, help="resample below this ESS / N (0: never)")
     args = ap.parse_args()
     model = str(smollm2_dir())
     rows = []
     for backend in args.backends.split(","):
-        opts: dict[str, Any] = {"batch_size": args.n, "timeout": 0, "dtype": "float32"}
+        opts: dict[str, Any] = {"batch_size": args.n, "timeout": 0}
+        if backend != "mlx":  # mlx-lm keeps the checkpoint's float32
+            opts["dtype"] = "float32"
         if backend == "vllm":
             opts["engine_opts"] = {"kv_cache_memory_bytes": 2**30, "seed": 0}
         t0 = time.perf_counter()
-        lm = load_model_by_name(model, backend=backend, llm_opts=opts)
+        lm = load_model_by_name(model, backend=backend, llm_opts={**opts, **args.opts})
         print(f"{backend}: loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         engine = Engine(lm, backend)
         lipogram = token_mask(lm, b"e", None, set())
@@ -129,7 +145,8 @@ def main() -> None:
             prompt = prompt_of(lm, length)
             for steps in (int(x) for x in args.steps.split(",")):
                 for name, mask in (("lipogram", lipogram), ("none", everything)):
-                    t_e, t_o, ratios, work = run_case(engine, backend, prompt, args.n, steps, mask, args.rounds)
+                    case = (prompt, args.n, steps, mask, args.rounds, args.ess)
+                    t_e, t_o, ratios, work = run_case(engine, backend, *case)
                     rows.append(
                         [
                             backend,
@@ -151,7 +168,10 @@ def main() -> None:
         gc.collect()
     header = ["backend", "prompt", "T", "constraint", "engine decode", "SMC (ours)", "ratio", "spread"]
     print(table([*header, "rows/step", "tokens run/step", "prefix-cache tokens/step"], rows))
-    print(f"\nN={args.n} particles, SmolLM2-135M float32, {args.rounds} interleaved rounds after a warm-up; CPU.")
+    blas = ", mlx with OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else ""
+    resampling = f"resampling below ESS {args.ess} N" if args.ess > 0 else "no resampling"
+    rounds = f"{args.rounds} interleaved rounds after a warm-up"
+    print(f"\nN={args.n} particles, {resampling}, SmolLM2-135M float32, {rounds}; CPU{blas}.")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs bench_mlx.py with Debian's OpenBLAS preloaded (extracted into .openblas/, no system install).
+# Runs bench_mlx.py (or the benchmark script given first) with Debian's OpenBLAS preloaded (extracted into
+# .openblas/, no system install).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -e .openblas/lib ]; then
@@ -9,4 +10,6 @@ if [ ! -e .openblas/lib ]; then
 fi
 export LD_LIBRARY_PATH="$PWD/.openblas/lib:$PWD/$(dirname "$(find .openblas -name 'libgfortran.so.5' | head -1)")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # OpenBLAS detects the CPU; set OPENBLAS_CORETYPE only where detection is wrong (SkylakeX needs AVX-512).
-LD_PRELOAD="$PWD/.openblas/lib/libopenblas.so.0" exec .venv/bin/python benchmarks/bench_mlx.py "$@"
+script=benchmarks/bench_mlx.py
+case "${1:-}" in *.py) script=$1; shift ;; esac
+LD_PRELOAD="$PWD/.openblas/lib/libopenblas.so.0" exec .venv/bin/python "$script" "$@"

@@ -54,29 +54,30 @@ def masked_proposal(
     if torch.isnan(rows).any():
         bad = torch.isnan(rows).any(1).nonzero().flatten().tolist()
         raise ValueError(f"rows {bad} contain NaN")
-    rows = rows.to(torch.float64)
+    probs = torch.exp(rows.to(torch.float64))  # float32 logprobs are >= -104: no underflow in float64
     if mask is not None:
         if mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
         if mask.shape not in ((vocab,), (n, vocab)):
             raise ValueError(f"mask has shape {tuple(mask.shape)}; want ({vocab},) or ({n}, {vocab})")
-        rows = rows.masked_fill(~mask.to(rows.device), float("-inf"))
-    log_kept = torch.logsumexp(rows, dim=1)
-    empty = torch.isneginf(log_kept)
+        probs.masked_fill_(~mask.to(probs.device), 0.0)
+    cdf = torch.cumsum(probs, dim=1)  # the running kept probability; its last column is the kept mass
+    kept = cdf[:, -1]
+    empty = kept <= 0
     if empty.any():
         raise ValueError(f"rows {empty.nonzero().flatten().tolist()}: the mask keeps no token of positive probability")
     if uniforms is None:
         uniforms = torch.rand(n, generator=generator, dtype=torch.float64)
-    uniforms = uniforms.to(device=rows.device, dtype=torch.float64).reshape(-1)
+    uniforms = uniforms.to(device=probs.device, dtype=torch.float64).reshape(-1)
     if uniforms.shape != (n,) or ((uniforms < 0) | (uniforms >= 1)).any():
         raise ValueError(f"need {n} uniforms in [0, 1), got {tuple(uniforms.shape)} values")
-    probs = torch.exp(rows - log_kept[:, None])
-    cdf = torch.cumsum(probs, dim=1)
-    targets = uniforms * cdf[:, -1]
-    tokens = torch.searchsorted(cdf, targets[:, None], right=True).squeeze(1)
-    # Rounding can put a target at or past the last step of the CDF: take the last kept token then.
-    last_kept = vocab - 1 - torch.argmax((probs > 0).flip(1).to(torch.int8), dim=1)
-    tokens = torch.minimum(tokens, last_kept)
+    # The first token whose running kept probability exceeds the target: it has positive probability.
+    tokens = torch.searchsorted(cdf, (uniforms * kept)[:, None], right=True).squeeze(1)
+    past = tokens >= vocab  # rounding put the target at the CDF's last step: take the last kept token
+    if past.any():
+        last_kept = vocab - 1 - torch.argmax((probs[past] > 0).flip(1).to(torch.int8), dim=1)
+        tokens[past] = last_kept
+    log_kept = torch.log(kept)
     if single:
         return Proposal(tokens[0], log_kept[0])
     return Proposal(tokens, log_kept)

@@ -16,8 +16,7 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_core import Request, load_model_by_name
-from genlm_core.lineage import Continuation, LiveContexts, nearest_prefix
+from genlm_core import load_model_by_name
 from genlm_core.testing.models import tiny_model_dir
 from genlm_vllm.lm import CPU_BLOCK_SIZE
 
@@ -133,17 +132,3 @@ def test_a_chunk_on_another_context_than_its_tag_gets_no_row(engine, monkeypatch
     monkeypatch.undo()
     assert len(engine.sessions.live) == 0  # a failed batch leaves no session alive
     check_rows(engine, [((*ids, 9), engine.next_token_logprobs_sync([*ids, 9]))])
-
-
-def test_live_contexts_plan():
-    live: LiveContexts[str] = LiveContexts(lookback=2)
-    live.keep(Request((1, 2, 3)), "a")
-    live.keep(Request((1, 2, 3), "lora"), "b")
-    live.keep(Request((7, 8)), "c")
-    requests = [Request((1, 2, 3, 4)), Request((1, 2, 3, 5)), Request((1, 2, 3, 4, 6), "lora"), Request((1, 2, 3))]
-    plan, released = live.plan(requests)
-    assert plan == [Continuation("a", (4,)), None, Continuation("b", (4, 6)), None]
-    assert released == ["c"] and len(live) == 0
-    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=1) is None
-    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=2) == (2, "x")
-    assert nearest_prefix({(1,): "x"}.get, (1,), lookback=5) == (0, "x")

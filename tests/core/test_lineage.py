@@ -1,0 +1,29 @@
+"""Core's lineage: which request continues which live context."""
+
+from genlm_core import Request
+from genlm_core.lineage import Continuation, LiveContexts, nearest_prefix
+
+
+def test_each_live_context_is_continued_once_by_exact_tokens_and_adapter():
+    live: LiveContexts[str] = LiveContexts(lookback=2)
+    live.keep(Request((1, 2, 3)), "a")
+    live.keep(Request((1, 2, 3), "lora"), "b")
+    live.keep(Request((7, 8)), "c")
+    requests = [Request((1, 2, 3, 4)), Request((1, 2, 3, 5)), Request((1, 2, 3, 4, 6), "lora"), Request((1, 2, 3))]
+    plan, released = live.plan(requests)
+    assert plan == [Continuation("a", (4,)), None, Continuation("b", (4, 6)), None]
+    assert released == ["c"] and len(live) == 0
+    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=1) is None
+    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=2) == (2, "x")
+    assert nearest_prefix({(1,): "x"}.get, (1,), lookback=5) == (0, "x")
+
+
+def test_a_live_context_lasts_one_batch():
+    live: LiveContexts[str] = LiveContexts()
+    live.keep(Request((1, 2)), "a")
+    plan, released = live.plan([Request((9,))])
+    assert plan == [None] and released == ["a"]
+    plan, released = live.plan([Request((1, 2, 3))])  # "a" was released: no continuation
+    assert plan == [None] and released == []
+    live.keep(Request((1, 2)), "b")
+    assert live.release_all() == ["b"] and len(live) == 0
