@@ -102,6 +102,36 @@ def kept_rows(lm) -> int:
     return replies[0]
 
 
+def test_particles_continue_in_the_engine_in_every_llm_layout(lm, hf):
+    """A request continues the previous batch's sequence of its parent, under the same adapter only;
+    rows match genlm-hf. AsyncLLM streams requests one by one and has no sessions."""
+    if lm.layout.streaming:
+        assert lm.sessions is None
+        return
+    lm.clear_cache()
+    stats = lm.sessions.stats
+    before = stats.continued
+    contexts = [[21, 22, 23], [21, 22, 24]]
+    seen = []
+    for step in range(4):
+        for adapter in (None, "a"):
+            rows = lm.batch_next_token_logprobs_sync(contexts, lora_name=adapter)
+            want = hf.batch_next_token_logprobs_sync(contexts, lora_name=adapter)
+            seen += [(r, w) for r, w in zip(rows, want, strict=True)]
+        contexts = [[*c, 30 + step] for c in contexts]
+    assert max((r - w).abs().max().item() for r, w in seen) <= ATOL
+    assert stats.continued == before  # a sequence is never continued under another adapter
+    seen = []
+    for adapter in (None, "a"):  # the same adapter step after step: every request continues its parent
+        contexts = [[21, 22, 23, 40], [21, 22, 24, 40]]
+        lm.batch_next_token_logprobs_sync(contexts, lora_name=adapter)
+        children = [[*c, 41] for c in contexts]
+        rows = lm.batch_next_token_logprobs_sync(children, lora_name=adapter)
+        seen += list(zip(rows, hf.batch_next_token_logprobs_sync(children, lora_name=adapter), strict=True))
+    assert stats.continued - before == 4
+    assert max((r - w).abs().max().item() for r, w in seen) <= ATOL
+
+
 def test_layout_is_what_was_asked(lm):
     lay = lm.layout
     assert lay.capture == ("rpc" if lm.options.capture == "rpc" else "shm")

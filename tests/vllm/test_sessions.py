@@ -1,7 +1,7 @@
 """Live sessions: particles continue their sequence in the engine, and every row stays exact.
 
-The reference for each row is ``next_token_logprobs_uncached``: a plain generate of the full context
-alone, salted so that it shares no cached KV block with anything else.
+On the tiny engine of ``conftest.py``. The reference for each row is ``next_token_logprobs_uncached``:
+a plain generate of the full context alone, salted so that it shares no cached KV block with anything.
 """
 
 from __future__ import annotations
@@ -16,28 +16,7 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_core import load_model_by_name
-from genlm_core.testing.models import tiny_model_dir
 from genlm_vllm.lm import CPU_BLOCK_SIZE
-
-MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
-ENGINE = {
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 512,
-    "kv_cache_memory_bytes": 256 * 2**20,
-    "enforce_eager": True,
-}
-
-
-@pytest.fixture(scope="module")
-def engine():
-    lm = load_model_by_name(
-        str(tiny_model_dir("llama", **MODEL)),
-        backend="vllm",
-        llm_opts={"dtype": "float32", "max_model_len": 1024, "batch_size": 64, "timeout": 0, "engine_opts": ENGINE},
-    )
-    yield lm
-    lm.cleanup()
 
 
 def check_rows(engine, seen: list[tuple[tuple[int, ...], torch.Tensor]], tol: float = 1e-5) -> None:

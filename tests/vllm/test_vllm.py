@@ -16,38 +16,7 @@ from genlm_core.testing import check_lm_contract
 from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
 from genlm_core.testing.bad_input import check_rejects_generated_bad_input
-from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
-
-MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}  # head_dim 64 for CPU attention
-ENGINE = {
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 512,
-    "kv_cache_memory_bytes": 256 * 2**20,
-    "enforce_eager": True,
-}
-
-
-@pytest.fixture(scope="module")
-def path():
-    return str(tiny_model_dir("llama", **MODEL))
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    lm = load_model_by_name(
-        path,
-        backend="vllm",
-        llm_opts={
-            "dtype": "float32",
-            "max_model_len": 2048,
-            "batch_size": 1024,
-            "timeout": 0.01,
-            "engine_opts": ENGINE,
-        },
-    )
-    yield lm
-    lm.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +96,7 @@ def test_context_past_max_model_len_is_refused_before_the_engine(engine):
     assert engine.generate_calls == calls
 
 
-def test_cleanup_then_second_engine_in_same_process(engine, path, hf):
+def test_cleanup_then_second_engine_in_same_process(engine, path, hf, engine_opts):
     engine.cleanup()
     engine.cleanup()  # twice is fine
     with pytest.raises(ClosedError, match="closed by cleanup"):
@@ -135,7 +104,7 @@ def test_cleanup_then_second_engine_in_same_process(engine, path, hf):
     with pytest.raises(ClosedError, match="closed by cleanup"):
         asyncio.run(engine.sample([7, 8], 2, []))
     second = load_model_by_name(
-        path, backend="vllm", llm_opts={"dtype": "float32", "max_model_len": 2048, "engine_opts": ENGINE}
+        path, backend="vllm", llm_opts={"dtype": "float32", "max_model_len": 2048, "engine_opts": engine_opts}
     )
     try:
         assert max_diff([second.next_token_logprobs_sync([7, 8])], [hf.next_token_logprobs_sync([7, 8])]) <= 1e-3
@@ -143,7 +112,7 @@ def test_cleanup_then_second_engine_in_same_process(engine, path, hf):
         second.cleanup()
 
 
-def test_lora_per_request_matches_peft(path, tmp_path):
+def test_lora_per_request_matches_peft(path, tmp_path, engine_opts):
     """Runs after the other engines are gone (one engine at a time in a process)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -167,7 +136,7 @@ def test_lora_per_request_matches_peft(path, tmp_path):
             "max_model_len": 1024,
             "enable_lora": True,
             "max_lora_rank": 8,
-            "engine_opts": {**ENGINE, "kv_cache_memory_bytes": 128 * 2**20},
+            "engine_opts": {**engine_opts, "kv_cache_memory_bytes": 128 * 2**20},
         },
     )
     try:
