@@ -111,3 +111,25 @@ def test_a_chunk_on_another_context_than_its_tag_gets_no_row(engine, monkeypatch
     monkeypatch.undo()
     assert len(engine.sessions.live) == 0  # a failed batch leaves no session alive
     check_rows(engine, [((*ids, 9), engine.next_token_logprobs_sync([*ids, 9]))])
+
+
+def test_a_batch_failing_midway_leaves_nothing_parked(engine, monkeypatch):
+    engine.clear_cache()
+    ids = list(range(500, 530))
+    engine.next_token_logprobs_sync(ids)  # one live session, continued by the failing batch below
+    real = engine.sessions.inputs.process_inputs
+    calls = []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("rejected by the engine")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.sessions.inputs, "process_inputs", fails_second)
+    with pytest.raises(ValueError, match="rejected by the engine"):
+        engine.batch_next_token_logprobs_sync([[*ids, 1], [7, 8, 9]])
+    monkeypatch.undo()
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # the continued session was aborted too
+    assert len(engine.sessions.live) == 0
+    check_rows(engine, [((*ids, 1), engine.next_token_logprobs_sync([*ids, 1]))])

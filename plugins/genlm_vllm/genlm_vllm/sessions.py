@@ -34,7 +34,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from genlm_core import Request
-from genlm_core.lineage import LiveContexts
+from genlm_core.lineage import Continuation, LiveContexts
 from genlm_vllm.capture import CONTEXT, context_fingerprint
 
 log = logging.getLogger(__name__)
@@ -81,9 +81,33 @@ class Sessions:
         if released:
             self.core.abort_requests(released)
         self.stats.batches += 1
-        live_slots, kv_left = self.max_live, self.kv_budget
         chunks: dict[str, int] = {}  # request id -> index in the batch
         resumable: list[bool] = []
+        try:
+            self._submit(requests, plan, extra_args, loras, chunks, resumable)
+            failed = self._wait(chunks, sum(len(r.token_ids) for r in requests))
+        except BaseException:  # nothing of this batch may stay parked in the engine
+            self.core.abort_requests([*chunks, *(c.handle for c in plan if c is not None)])
+            raise
+        self.stats.rows += len(requests)
+        ended = [rid for rid, i in chunks.items() if resumable[i] and rid in failed]
+        if ended:
+            self.core.abort_requests(ended)
+        for rid, i in chunks.items():
+            if resumable[i] and rid not in failed:
+                self.live.keep(requests[i], rid)
+
+    def _submit(
+        self,
+        requests: Sequence[Request],
+        plan: Sequence[Continuation[str] | None],
+        extra_args: Sequence[dict[str, Any]],
+        loras: Sequence[Any],
+        chunks: dict[str, int],
+        resumable: list[bool],
+    ) -> None:
+        """Add one chunk per request to the engine (filling ``chunks`` and ``resumable`` as it goes)."""
+        live_slots, kv_left = self.max_live, self.kv_budget
         for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
             kv = len(request.token_ids) + self.block_size
             if continuation is not None:
@@ -109,39 +133,27 @@ class Sessions:
             self.core.add_request(chunk)
             chunks[rid] = i
             resumable.append(keep)
-        failed = self._wait(chunks, sum(len(r.token_ids) for r in requests))
-        self.stats.rows += len(requests)
-        ended = [rid for rid, i in chunks.items() if resumable[i] and rid in failed]
-        if ended:
-            self.core.abort_requests(ended)
-        for rid, i in chunks.items():
-            if resumable[i] and rid not in failed:
-                self.live.keep(requests[i], rid)
 
     def _wait(self, chunks: dict[str, int], tokens: int) -> set[str]:
         """Step the engine until every chunk has its token; the ids of chunks that ended otherwise
         (their rows are missing, and the caller's error names them)."""
         pending, failed = set(chunks), set()
         idle, patience = 0, tokens // max(self.token_budget, 1) + 64  # steps with no output: prefill chunks
-        try:
-            while pending:
-                outputs = self.core.get_output().outputs
-                idle = 0 if outputs else idle + 1
-                if idle > patience:
-                    raise RuntimeError(f"vLLM made no progress on {len(pending)} requests in {idle} engine steps")
-                for out in outputs:
-                    if out.request_id not in pending:
-                        continue
-                    if not out.new_token_ids:  # aborted or failed in the engine
-                        failed.add(out.request_id)
-                    pending.discard(out.request_id)
-                    stats = out.prefill_stats
-                    if stats is not None:
-                        self.stats.tokens_computed += stats.num_computed_tokens
-                        self.stats.tokens_cached += stats.num_cached_tokens
-        except BaseException:
-            self.core.abort_requests(list(chunks))
-            raise
+        while pending:
+            outputs = self.core.get_output().outputs
+            idle = 0 if outputs else idle + 1
+            if idle > patience:
+                raise RuntimeError(f"vLLM made no progress on {len(pending)} requests in {idle} engine steps")
+            for out in outputs:
+                if out.request_id not in pending:
+                    continue
+                if not out.new_token_ids:  # aborted or failed in the engine
+                    failed.add(out.request_id)
+                pending.discard(out.request_id)
+                stats = out.prefill_stats
+                if stats is not None:
+                    self.stats.tokens_computed += stats.num_computed_tokens
+                    self.stats.tokens_cached += stats.num_cached_tokens
         return failed
 
     def release_all(self) -> None:
