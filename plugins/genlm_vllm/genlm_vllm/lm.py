@@ -317,7 +317,6 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         try:
             if self.layout.ray and not self.layout.multiprocess:
                 group = self.llm.llm_engine.vllm_config.parallel_config.placement_group
-            self.release_sessions()
             if self.layout.spawns:  # stop the engine's processes now, not when the garbage collector runs
                 self.llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # a crashed engine: still free what is ours

@@ -24,7 +24,6 @@ share the session's prompt list with the scheduler and extend it twice.
 from __future__ import annotations
 
 import itertools
-import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,8 +35,6 @@ from vllm.inputs import TokensPrompt
 from genlm_core import Request
 from genlm_core.lineage import Continuation, LiveContexts
 from genlm_vllm.capture import CONTEXT, context_fingerprint
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
