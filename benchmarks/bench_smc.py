@@ -12,8 +12,9 @@ engine, ours, ...), every cache cleared before each:
   outside the mask so that every particle runs all T steps: the same N x T tokens as the engine.
 
 Beside the times: rows the model computed per step, tokens it ran per step (vLLM: continued
-sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count), and tokens
-vLLM's prefix cache served.
+sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count), tokens vLLM's
+prefix cache served, and tokens forks copied from their parent's unfinished block
+(:mod:`genlm_vllm.forks`).
 
     python benchmarks/bench_smc.py [--backends vllm,hf] [--rounds 3] [--n 32] [--steps 32,64]
     bash benchmarks/mlx_openblas.sh benchmarks/bench_smc.py --backends mlx   # MLX with OpenBLAS
@@ -86,10 +87,10 @@ class Engine:
 def counters(lm: Any, backend: str) -> dict[str, int]:
     if backend == "vllm":
         if lm.sessions is None:  # live_sessions=False: rows only
-            return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0}
+            return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0, "copied": 0}
         s = lm.sessions.stats
-        return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached}
-    return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0}
+        return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached, "copied": s.tokens_copied}
+    return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0, "copied": 0}
 
 
 def run_case(
@@ -160,6 +161,7 @@ def main() -> None:
                             f"{work['rows']:.1f}",
                             f"{work['computed']:.1f}",
                             f"{work['cached']:.0f}",
+                            f"{work['copied']:.0f}",
                         ]
                     )
                     print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
@@ -167,7 +169,8 @@ def main() -> None:
         del lm, engine
         gc.collect()
     header = ["backend", "prompt", "T", "constraint", "engine decode", "SMC (ours)", "ratio", "spread"]
-    print(table([*header, "rows/step", "tokens run/step", "prefix-cache tokens/step"], rows))
+    work = ["rows/step", "tokens run/step", "prefix-cache tokens/step", "fork-copied tokens/step"]
+    print(table([*header, *work], rows))
     blas = ", mlx with OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else ""
     resampling = f"resampling below ESS {args.ess} N" if args.ess > 0 else "no resampling"
     rounds = f"{args.rounds} interleaved rounds after a warm-up"

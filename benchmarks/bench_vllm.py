@@ -18,7 +18,9 @@ barrier.
 
 The Ray rows (``ray tp2``, ``ray pp2``, ``replicas=2``) run on the tests' two-node Ray cluster on
 loopback addresses of this machine, one core per node; ``replicas=2`` is timed against the same
-batch on one replica alone.
+batch on one replica alone. For them the driver uses one torch thread: both cores are pinned by the
+"nodes", and a driver's OpenMP team spin-waiting against them stalls for hundreds of milliseconds
+(a real cluster's driver has cores of its own).
 
     python benchmarks/bench_vllm.py [--n 64] [--rounds 5] [--modes in-process,multiprocess,async,tp2,pp2]
 """
@@ -189,9 +191,14 @@ def main() -> None:
     args = ap.parse_args()
     rows, program_rows, replica_rows = [], [], []
     cluster = None
+    threads = torch.get_num_threads()
     for mode in args.modes.split(","):
         if on_ray(mode) and cluster is None:
             cluster = loopback_cluster()
+        # The loopback "nodes" pin a core each, this machine's only two. A driver whose OpenMP team of
+        # two spin-waits against them turned the rows' 5 ms normalisation into 300 ms now and then; a
+        # real cluster's driver has cores of its own. One thread here stands for that.
+        torch.set_num_threads(1 if on_ray(mode) else threads)
         t0 = time.perf_counter()
         lm = start(mode)
         started = time.perf_counter() - t0
@@ -238,7 +245,7 @@ def main() -> None:
     if cluster is not None:
         cluster.stop()
     print(
-        f"\nvLLM CPU build, {torch.get_num_threads()} threads; N={args.n} prompts of 16-63 tokens; "
+        f"\nvLLM CPU build, {threads} threads (Ray rows: 1 in the driver); N={args.n} prompts of 16-63 tokens; "
         f"{args.rounds} interleaved rounds; ratio = ours / plain generate in the same mode (target <= 1.1)\n"
     )
     print(

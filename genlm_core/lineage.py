@@ -39,10 +39,13 @@ def nearest_prefix(
 
 @dataclass(frozen=True)
 class Continuation(Generic[H]):
-    """A request that extends a live sequence: feed ``new_tokens`` to ``handle``."""
+    """A request that extends a live sequence: feed ``new_tokens`` to ``handle``. With ``fork``,
+    another request of the batch continues ``handle``: this one starts a sequence of its own, which
+    may share ``handle``'s cached context (a particle's sibling after resampling)."""
 
     handle: H
     new_tokens: tuple[int, ...]
+    fork: bool = False
 
 
 class LiveContexts(Generic[H]):
@@ -63,20 +66,26 @@ class LiveContexts(Generic[H]):
 
     def plan(self, requests: Sequence[Request]) -> tuple[list[Continuation[H] | None], list[H]]:
         """One :class:`Continuation` (or None: compute afresh) per request, and the handles that no
-        request continues. Empties the live set: every handle is either continued or released."""
+        request continues. Empties the live set: every handle is either continued or released. A
+        request extending a sequence that an earlier request of the batch continues gets a ``fork``."""
         live, self._live = self._live, {}
+        continued: dict[LineageKey, H] = {}
         plan: list[Continuation[H] | None] = []
         for request in requests:
 
-            def claim(prefix: tuple[int, ...], adapter: str | None = request.adapter) -> H | None:
-                return live.pop((adapter, prefix), None)  # a live sequence is continued once
+            def claim(prefix: tuple[int, ...], adapter: str | None = request.adapter) -> tuple[H, bool] | None:
+                key = (adapter, prefix)
+                if key in live:  # a live sequence is continued once; later requests fork it
+                    continued[key] = live.pop(key)
+                    return continued[key], False
+                return (continued[key], True) if key in continued else None
 
             hit = nearest_prefix(claim, request.token_ids, self.lookback, shortest_cut=1)
             if hit is None:
                 plan.append(None)
             else:
-                cut, handle = hit
-                plan.append(Continuation(handle, request.token_ids[-cut:]))
+                cut, (handle, fork) = hit
+                plan.append(Continuation(handle, request.token_ids[-cut:], fork))
         return plan, list(live.values())
 
     def keep(self, request: Request, handle: H) -> None:

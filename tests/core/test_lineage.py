@@ -9,9 +9,15 @@ def test_each_live_context_is_continued_once_by_exact_tokens_and_adapter():
     live.keep(Request((1, 2, 3)), "a")
     live.keep(Request((1, 2, 3), "lora"), "b")
     live.keep(Request((7, 8)), "c")
-    requests = [Request((1, 2, 3, 4)), Request((1, 2, 3, 5)), Request((1, 2, 3, 4, 6), "lora"), Request((1, 2, 3))]
+    requests = [
+        Request((1, 2, 3, 4)),
+        Request((1, 2, 3, 5)),  # a sibling: forks "a"
+        Request((1, 2, 3, 4, 6), "lora"),
+        Request((1, 2, 3)),  # the live context itself: computed afresh
+        Request((1, 2, 3, 7), "other"),  # another adapter: no relation
+    ]
     plan, released = live.plan(requests)
-    assert plan == [Continuation("a", (4,)), None, Continuation("b", (4, 6)), None]
+    assert plan == [Continuation("a", (4,)), Continuation("a", (5,), fork=True), Continuation("b", (4, 6)), None, None]
     assert released == ["c"] and len(live) == 0
     assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=1) is None
     assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=2) == (2, "x")

@@ -132,6 +132,25 @@ def test_particles_continue_in_the_engine_in_every_llm_layout(lm, hf):
     assert max((r - w).abs().max().item() for r, w in seen) <= ATOL
 
 
+def test_forks_copy_their_parents_block_in_every_llm_layout(lm, hf):
+    """After resampling, siblings of one live parent copy its unfinished KV block on every rank that
+    holds a share of it (TP) or a stage of it (PP), under the parent's adapter; rows match genlm-hf."""
+    if lm.layout.streaming:
+        return
+    lm.clear_cache()
+    stats = lm.sessions.stats
+    copied = stats.tokens_copied
+    parents = [list(range(50, 90)), list(range(60, 100))]  # 40 tokens: one full block of 32, 8 over
+    seen = []
+    for adapter in (None, "a"):
+        lm.batch_next_token_logprobs_sync(parents, lora_name=adapter)
+        children = [[*p, t] for p in parents for t in (1, 2, 3)]
+        rows = lm.batch_next_token_logprobs_sync(children, lora_name=adapter)
+        seen += list(zip(rows, hf.batch_next_token_logprobs_sync(children, lora_name=adapter), strict=True))
+    assert stats.tokens_copied - copied == 2 * 2 * 2 * 8  # per adapter, per parent: two forks of 8 tokens
+    assert max((r - w).abs().max().item() for r, w in seen) <= ATOL
+
+
 def test_layout_is_what_was_asked(lm):
     lay = lm.layout
     assert lay.capture == ("rpc" if lm.options.capture == "rpc" else "shm")

@@ -71,10 +71,13 @@ async def test_smc_with_resampling_cancellation_and_early_stops_is_exact(engine)
     stats = sessions.stats
     assert stats.continued >= 0.8 * stats.rows, stats  # particles really stayed alive
     assert stats.tokens_cached > 0, stats  # forks and fallbacks hit vLLM's prefix cache
+    assert stats.tokens_copied > 0, stats  # forks copied their parent's unfinished block
     check_rows(engine, rng.sample(seen, 400))
 
 
-async def test_forks_recompute_at_most_the_unfinished_block(engine):
+async def test_forks_compute_only_their_own_token(engine):
+    """Children of one parent: one continues it; each other child takes the parent's full blocks
+    from the prefix cache and its unfinished block by copy (genlm_vllm.forks), and runs one token."""
     engine.clear_cache()
     base = tuple(range(200, 300))  # 100 tokens: three full blocks of 32, four tokens over
     await engine.next_token_logprobs(list(base))
@@ -83,8 +86,50 @@ async def test_forks_recompute_at_most_the_unfinished_block(engine):
     children = [(*base, t) for t in (5, 6, 7, 8)]
     rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
     assert stats.continued == 1
-    assert stats.tokens_computed == 1 + 3 * (len(base) + 1 - 3 * CPU_BLOCK_SIZE), stats
+    assert stats.tokens_computed == 4, stats
     assert stats.tokens_cached == 3 * 3 * CPU_BLOCK_SIZE, stats
+    assert stats.tokens_copied == 3 * (len(base) - 3 * CPU_BLOCK_SIZE), stats
+    grandchildren = [(*c, 9) for c in children] + [(*children[0], 10)]  # every child's session lives on
+    more = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in grandchildren))
+    assert stats.continued == 1 + 4 and stats.tokens_copied == 3 * 4 + 5, stats
+    check_rows(engine, list(zip(children + grandchildren, rows + more, strict=True)))
+
+
+async def test_a_fork_at_a_block_boundary_copies_nothing(engine):
+    engine.clear_cache()
+    base = tuple(range(600, 600 + 2 * CPU_BLOCK_SIZE))
+    await engine.next_token_logprobs(list(base))
+    stats = engine.sessions.stats
+    stats.__init__()
+    children = [(*base, t) for t in (5, 6, 7)]
+    rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
+    assert stats.tokens_copied == 0 and stats.tokens_computed == 3, stats  # all from the prefix cache
+    check_rows(engine, list(zip(children, rows, strict=True)))
+
+
+async def test_a_fork_naming_the_wrong_parent_recomputes(engine, monkeypatch):
+    """The connector checks the parent's tokens: a fork pointed at another sequence loads nothing."""
+    engine.clear_cache()
+    a, b = tuple(range(700, 740)), tuple(range(800, 840))
+    await asyncio.gather(engine.next_token_logprobs(list(a)), engine.next_token_logprobs(list(b)))
+    handles = {ctx: h for (_, ctx), h in engine.sessions.live._live.items()}
+    plan = engine.sessions.live.plan
+
+    def crossed(requests):
+        steps, released = plan(requests)
+        crossed_steps = [
+            type(c)(handles[b if c.handle == handles[a] else a], c.new_tokens, True) if c is not None and c.fork else c
+            for c in steps
+        ]
+        return crossed_steps, released
+
+    monkeypatch.setattr(engine.sessions.live, "plan", crossed)
+    stats = engine.sessions.stats
+    stats.__init__()
+    children = [(*a, 1), (*a, 2), (*b, 1), (*b, 2)]
+    rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
+    assert stats.continued == 2 and stats.tokens_copied == 0, stats
+    assert stats.tokens_computed == 2 + 2 * (len(a) + 1 - CPU_BLOCK_SIZE), stats
     check_rows(engine, list(zip(children, rows, strict=True)))
 
 

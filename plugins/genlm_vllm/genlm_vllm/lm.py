@@ -44,6 +44,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the installation
     raise ImportError(f"genlm-vllm needs the vllm module ({exc}): {INSTALL}") from exc
 
+from genlm_vllm.forks import kv_transfer_config
 from genlm_vllm.rows import LocalRows, RowChannel, RpcRows, SharedMemoryRows
 from genlm_vllm.sessions import Sessions
 
@@ -97,6 +98,8 @@ def engine_kwargs(model: str, options: VLLMOptions, lay: Layout) -> dict[str, An
         kwargs["block_size"] = block_size
     if options.enable_lora:
         kwargs.update(enable_lora=True, max_lora_rank=options.max_lora_rank)
+    if options.live_sessions and not lay.streaming:
+        kwargs["kv_transfer_config"] = kv_transfer_config()  # forks share their parent's block
     theirs = options.engine_opts.get("worker_extension_cls")
     if theirs is None:
         kwargs["worker_extension_cls"] = EXTENSION  # rows by RPC, and genlm_where() for checking a cluster

@@ -24,16 +24,17 @@ class VLLMOptions(BackendOptions):
     enable_prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching.")
     block_size: PositiveInt | None = Field(
         None,
-        description="Tokens per KV block. Prefix caching reuses only whole blocks, so a particle whose sequence is "
-        "not kept alive (a fork after resampling, a new context) recomputes up to a block less one. None: the "
+        description="Tokens per KV block. Prefix caching reuses only whole blocks, so a context that extends no "
+        "live sequence (see live_sessions) recomputes up to a block less one. None: the "
         "smallest block the engine accepts where vLLM's default is larger (32 on vLLM's CPU build, whose default "
         "is 128), else vLLM's default (16 on CUDA). engine_opts['block_size'] overrides it.",
     )
     live_sessions: bool = Field(
         True,
         description="Keep each request's sequence alive in the engine (vLLM's resumable sessions) so that a request "
-        "extending it by a few tokens (a particle's next step) computes only those tokens. Only for engine='llm'; "
-        "False: every batch is a plain generate, with prefix caching only.",
+        "extending it by a few tokens (a particle's next step) computes only those tokens; siblings that fork it "
+        "after resampling copy its unfinished KV block (genlm_vllm.forks). Only for engine='llm'; False: every "
+        "batch is a plain generate, with prefix caching only.",
     )
     enable_lora: bool = Field(False, description="Allow LoRA adapters (load_lora / set_lora).")
     max_lora_rank: PositiveInt = Field(16, description="Largest LoRA rank the engine reserves room for.")

@@ -10,7 +10,8 @@ token, which is discarded. The continuation computes exactly the new tokens.
 Who continues what is decided by core's :class:`~genlm_core.lineage.LiveContexts` on exact token
 tuples: a live session is continued by at most one request of the next batch; other requests with
 the same parent (forks after resampling) start sessions of their own whose full blocks come from
-vLLM's prefix cache, so they recompute at most the unfinished last block; sessions nobody continued
+vLLM's prefix cache and whose unfinished last block is copied from the parent's in the engine
+(:mod:`genlm_vllm.forks`), so they too compute only their new token; sessions nobody continued
 are aborted (their full blocks stay in the prefix cache). Every chunk also carries its context's
 length and hash, and the capture processor writes no row for a chunk whose context in the engine
 differs: a bookkeeping error becomes a missing-row error, never a wrong row.
@@ -35,17 +36,20 @@ from vllm.inputs import TokensPrompt
 from genlm_core import Request
 from genlm_core.lineage import Continuation, LiveContexts
 from genlm_vllm.capture import CONTEXT, context_fingerprint
+from genlm_vllm.forks import CONNECTOR, FORK
 
 
 @dataclass
 class SessionStats:
-    """What the sessions computed: rows, how many continued a live session, and prompt tokens."""
+    """What the sessions computed: rows, how many continued a live session, and prompt tokens by
+    where their KV came from."""
 
     batches: int = 0
     rows: int = 0
     continued: int = 0
     tokens_computed: int = 0  #: tokens the model ran (continuations' new tokens, fresh prompts' uncached part)
     tokens_cached: int = 0  #: fresh prompts' tokens served by vLLM's prefix cache
+    tokens_copied: int = 0  #: forks' tokens copied from their parent's unfinished block (:mod:`genlm_vllm.forks`)
 
 
 class Sessions:
@@ -68,6 +72,9 @@ class Sessions:
         capacity = (cache.num_gpu_blocks or 0) * cache.block_size
         self.block_size = cache.block_size
         self.kv_budget = capacity - config.model_config.max_model_len
+        transfer = config.kv_transfer_config
+        #: whether forks copy their parent's unfinished block (:mod:`genlm_vllm.forks` is plugged in)
+        self.forks = transfer is not None and transfer.kv_connector == CONNECTOR
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -107,16 +114,18 @@ class Sessions:
         live_slots, kv_left = self.max_live, self.kv_budget
         for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
             kv = len(request.token_ids) + self.block_size
-            if continuation is not None:
+            args = {**extra_args[i], CONTEXT: context_fingerprint(request.token_ids)}
+            if continuation is not None and not continuation.fork:
                 rid, tokens, keep = continuation.handle, continuation.new_tokens, True
                 self.stats.continued += 1
                 self.stats.tokens_computed += len(tokens)
             else:
                 rid, tokens = f"genlm-{self._prefix}-{next(self._ids)}", request.token_ids
                 keep = live_slots > 0 and kv <= kv_left
+                if continuation is not None and self.forks:
+                    args[FORK] = continuation.handle  # share the parent's unfinished block
             if keep:
                 live_slots, kv_left = live_slots - 1, kv_left - kv
-            args = {**extra_args[i], CONTEXT: context_fingerprint(request.token_ids)}
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
             chunk = self.inputs.process_inputs(
                 rid,
@@ -150,7 +159,8 @@ class Sessions:
                 stats = out.prefill_stats
                 if stats is not None:
                     self.stats.tokens_computed += stats.num_computed_tokens
-                    self.stats.tokens_cached += stats.num_cached_tokens
+                    self.stats.tokens_cached += stats.num_local_cached_tokens
+                    self.stats.tokens_copied += stats.num_external_cached_tokens
         return failed
 
     def release_all(self) -> None:

@@ -1,0 +1,164 @@
+"""Forks share their parent's unfinished KV block: a vLLM KV connector that copies it on the device.
+
+After resampling, several particles continue one context. One continues the parent's live session
+(:mod:`genlm_vllm.sessions`); every other child starts a session of its own. vLLM's prefix cache
+serves the child's *full* blocks, but caches no block until it is full, so without help each child
+would recompute the parent's unfinished last block (up to a block less one token).
+
+:class:`ForkConnector` is plugged in through vLLM's own extension point for loading KV from
+elsewhere (a KV connector, ``kv_transfer_config``). For a new request whose ``extra_args`` name a
+parent (:data:`FORK`), the scheduler side
+
+1. checks that the parent is still in the engine, has computed at least the child's context less
+   its last token, and holds exactly those tokens (a mismatch loads nothing: the child recomputes);
+2. tells the scheduler that these tokens, beyond the child's block-aligned prefix-cache hit, are
+   "external";
+3. once the child's blocks are allocated, pairs each of the parent's blocks in that range with the
+   child's.
+
+Each worker then copies those blocks, in every layer it holds, before the step's forward pass (vLLM's
+own in-place block copy, the one its sub-block prefix hits use). The parent's positions below its
+context length are never written again, and the copy runs in the same step as it is planned, so the
+parent's blocks cannot be freed in between. This module is imported wherever vLLM's scheduler or
+workers run (the engine-core process, each TP/PP or Ray worker).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+FORK = "genlm_fork"  #: extra_args key: the request id of the live sequence whose context this one extends
+CONNECTOR = "ForkConnector"
+MODULE = "genlm_vllm.forks"
+
+
+def kv_transfer_config() -> KVTransferConfig:
+    """vLLM's ``kv_transfer_config`` that plugs :class:`ForkConnector` in."""
+    return KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE, kv_role="kv_both")
+
+
+@dataclass
+class ForkCopies(KVConnectorMetadata):
+    """One step's block copies, ``(parent block, child block)``, for the workers."""
+
+    copies: list[KVCacheBlockCopy] = field(default_factory=list)
+
+
+@dataclass
+class _Planned:
+    parent: str
+    start: int  # first token the child loads (block-aligned: its prefix-cache hit)
+    end: int  # one past the last
+
+
+class ForkConnector(KVConnectorBase_V1, SupportsHMA):
+    """Copies a parent's KV blocks into a forked child's, so the child computes only its new token.
+
+    It declares support for vLLM's hybrid KV cache manager so that plugging it in changes nothing for
+    hybrid or sliding-window models (vLLM would otherwise turn that manager off); on those, with
+    several KV cache groups, it loads nothing and forks use the prefix cache alone."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        # One KV cache group (plain attention): hybrid models keep prefix caching only.
+        self.enabled = len(kv_cache_config.kv_cache_groups) == 1
+        self._requests: dict[str, Request] = {}  # every request in the scheduler, by id (scheduler side)
+        self._planned: dict[str, _Planned] = {}
+        self._copies: list[KVCacheBlockCopy] = []
+        self._kv_caches: list[torch.Tensor] = []  # worker side
+
+    # ---- scheduler side ----
+
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        self._planned.pop(request.request_id, None)
+        return False, None  # nothing held: vLLM frees the blocks now
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self._planned.pop(request.request_id, None)
+        args = request.sampling_params.extra_args if request.sampling_params is not None else None
+        parent_id = args.get(FORK) if args else None
+        if parent_id is None or not self.enabled:
+            return 0, False
+        parent = self._requests.get(parent_id)
+        end = request.num_tokens - 1  # the child computes at least its last token itself
+        if (
+            parent is None
+            or parent.lora_request != request.lora_request
+            or parent.num_computed_tokens < end
+            or end <= num_computed_tokens
+            or parent.all_token_ids[:end] != request.all_token_ids[:end]
+        ):
+            return 0, False
+        self._planned[request.request_id] = _Planned(parent_id, num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        plan = self._planned.pop(request.request_id, None)
+        if plan is None or num_external_tokens == 0:
+            return
+        assert self._kv_cache_manager is not None
+        assert plan.end - plan.start == num_external_tokens
+        first, last = plan.start // self.block_size, (plan.end - 1) // self.block_size
+        (parent_blocks,) = self._kv_cache_manager.get_block_ids(plan.parent)
+        (child_blocks,) = blocks.get_block_ids()
+        # Preemption frees blocks only before new requests are scheduled, and then none is.
+        assert len(parent_blocks) > last and len(child_blocks) > last, "fork: a block is missing"
+        self._copies.extend(KVCacheBlockCopy(parent_blocks[i], child_blocks[i]) for i in range(first, last + 1))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta, self._copies = ForkCopies(self._copies), []
+        return meta
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = list(kv_caches.values())
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if isinstance(meta, ForkCopies) and meta.copies:
+            from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+            copy_kv_cache_blocks_inplace(self._kv_caches, self.num_blocks, meta.copies)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
