@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 
 import pytest
@@ -110,6 +111,35 @@ def test_cleanup_then_second_engine_in_same_process(engine, path, hf, engine_opt
         assert max_diff([second.next_token_logprobs_sync([7, 8])], [hf.next_token_logprobs_sync([7, 8])]) <= 1e-3
     finally:
         second.cleanup()
+
+
+def test_an_engine_collected_after_the_next_one_started_leaves_it_working(path, hf, engine_opts):
+    """cleanup() tears an in-process engine down at once: were it left to the garbage collector, its
+    teardown would destroy vLLM's process-wide parallel groups under whichever engine runs then."""
+    options = {"dtype": "float32", "max_model_len": 2048, "engine_opts": engine_opts}
+    first = load_model_by_name(path, backend="vllm", llm_opts=options)
+    first.next_token_logprobs_sync([7, 8])
+    core = first.llm.llm_engine.engine_core
+    first.cleanup()
+    assert not core._finalizer.alive  # shut down now: the garbage collector has nothing left to tear down
+    del core
+    second = load_model_by_name(path, backend="vllm", llm_opts=options)
+    try:
+        del first
+        gc.collect()  # the first engine goes now, while the second runs
+        contexts = [[7, 8], [7, 8, 9], [1, 2, 3, 4]]
+        rows = second.batch_next_token_logprobs_sync(contexts)
+        assert max_diff(rows, hf.batch_next_token_logprobs_sync(contexts)) <= 1e-3
+    finally:
+        second.cleanup()
+    third = load_model_by_name(path, backend="vllm", llm_opts=options)  # failed: "... group is not initialized"
+    try:
+        assert (
+            max_diff(third.batch_next_token_logprobs_sync(contexts), hf.batch_next_token_logprobs_sync(contexts))
+            <= 1e-3
+        )
+    finally:
+        third.cleanup()
 
 
 def test_lora_per_request_matches_peft(path, tmp_path, engine_opts):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -320,12 +321,16 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         try:
             if self.layout.ray and not self.layout.multiprocess:
                 group = self.llm.llm_engine.vllm_config.parallel_config.placement_group
-            if self.layout.spawns:  # stop the engine's processes now, not when the garbage collector runs
-                self.llm.llm_engine.engine_core.shutdown()
+            # Now, not when the garbage collector runs: an engine's processes, and an in-process
+            # engine's teardown of vLLM's process-wide parallel groups, which a later one reuses.
+            self.llm.llm_engine.engine_core.shutdown()
         except Exception as exc:  # a crashed engine: still free what is ours
             log.warning("vLLM engine shutdown failed: %s: %s", type(exc).__name__, exc)
         finally:
             self.llm = None
+            self.sessions = None  # it holds the engine core (and, with Ray, its mapped queues)
+            self.rows.close()
+            gc.collect()  # vLLM's objects hold each other in cycles: unmap its queues before removing files
             if group is not None:  # vLLM's Ray executor leaves the placement group it made here
                 remove_placement_group(group)
             self.release_files()

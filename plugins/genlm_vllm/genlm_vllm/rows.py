@@ -229,6 +229,9 @@ class RpcRows(RowChannel):
             with self._lock:
                 self._discard.extend(ticket.tags)
 
+    def close(self) -> None:
+        self.pop = self.pop_async = None  # they hold the engine (and, with Ray, its mapped queues)
+
 
 def leftover_files(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
     """Shared-memory files of genlm-vllm that still exist: those made by process ``pid``, or by any."""
