@@ -25,7 +25,6 @@ workers run (the engine-core process, each TP/PP or Ray worker).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +45,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-log = logging.getLogger(__name__)
 
 FORK = "genlm_fork"  #: extra_args key: the request id of the live sequence whose context this one extends
 CONNECTOR = "ForkConnector"

@@ -329,15 +329,14 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         finally:
             self.llm = None
             self.sessions = None  # it holds the engine core (and, with Ray, its mapped queues)
-            self.rows.close()
-            gc.collect()  # vLLM's objects hold each other in cycles: unmap its queues before removing files
             if group is not None:  # vLLM's Ray executor leaves the placement group it made here
                 remove_placement_group(group)
             self.release_files()
 
     def release_files(self) -> None:
         """Remove our shared-memory files, and those the engine's processes left behind."""
-        self.rows.close()
+        self.rows.close()  # its callbacks hold the engine
+        gc.collect()  # vLLM's objects hold each other in cycles: this process unmaps their queues now
         if self.engine_files is not None:
             self.engine_files.remove_orphans(grace=30.0 if self.layout.ray else 0.0)
 
