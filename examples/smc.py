@@ -132,14 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("genlm_core.testing").setLevel(logging.INFO)  # announce one-time downloads and builds
 
-    model = args.model
-    if model == "smollm2":
-        from genlm_core.testing.models import smollm2_dir
-
-        model = str(smollm2_dir())
-    lm = load_model_by_name(model, backend=args.backend, llm_opts={"batch_size": args.particles})
+    lm = load_model_by_name(args.model, backend=args.backend, llm_opts={"batch_size": args.particles})
     with lm:
         tok = lm.tokenizer
         prompt_ids = list(tok.encode(args.prompt))

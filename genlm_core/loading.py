@@ -24,17 +24,19 @@ def _cuda_available() -> bool:
 
 
 def default_backend() -> str:
-    """``vllm`` if installed and CUDA is available, else ``hf``, else the only installed backend."""
+    """``vllm`` if installed and CUDA is available, else ``hf``, else the only installed backend other
+    than the built-in ``mock`` (which is never picked by default: its rows are random)."""
     installed = get_plugins().backends()
     if "vllm" in installed and _cuda_available():
         return "vllm"
     if "hf" in installed:
         return "hf"
-    if len(installed) == 1:
-        return next(iter(installed))
+    models = sorted(set(installed) - {"mock"})
+    if len(models) == 1:
+        return models[0]
     raise BackendNotFoundError(
         f"no default backend: installed are [{', '.join(sorted(installed)) or 'none'}]; pass backend=... "
-        "or install one, e.g. `pip install genlm-hf`"
+        "(backend='mock' for the model-free mock) or install one, e.g. `pip install genlm-hf`"
     )
 
 
@@ -65,9 +67,10 @@ def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str
         raise TypeError(f"backend must be a backend name (str) or None, got {backend!r}")
     spec = get_plugins().backend(backend or default_backend())
     options = validate_options(spec, llm_opts)
+    location = spec.model_location(name)  # a missing model fails here, before the backend's heavy imports
     _, factory = get_plugins().load_backend(spec.name)
-    log.info("loading %r with backend %r", name, spec.name)
-    lm = factory(name, options)
+    log.info("loading %r with backend %r", location, spec.name)
+    lm = factory(location, options)
     if not isinstance(lm, AsyncLM):
         raise TypeError(f"backend {spec.name!r} (plugin {spec.plugin!r}) returned {type(lm).__name__}, not an AsyncLM")
     return lm

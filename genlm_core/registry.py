@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from difflib import get_close_matches
 from typing import Any
 
 from pydantic import BaseModel
@@ -19,12 +20,15 @@ Factory = Callable[..., Any] | str
 #: Returns ``None`` when the component can run on this machine, else the reason it cannot.
 Check = Callable[[], str | None] | str | None
 
+#: Takes a model name and returns where the model is (a path, or a name the backend can load), or
+#: raises :class:`~genlm_core.errors.ModelNotFoundError`; called before the factory is imported.
+NameResolver = Callable[[str], str] | str | None
+
 #: Distributions that provide the backends this project maintains, for install hints.
 KNOWN_DISTRIBUTIONS = {
     "hf": "genlm-hf",
     "vllm": "genlm-vllm",
     "mlx": "genlm-mlx",
-    "mock": "genlm-mock",
 }
 
 
@@ -80,6 +84,11 @@ class BackendSpec(_Component):
     """A language-model backend: ``factory(model: str, options: Options) -> AsyncLM``."""
 
     options: type[BaseModel] = BackendOptions
+    resolve_name: NameResolver = None
+
+    def model_location(self, name: str) -> str:
+        """Where model ``name`` is, by the backend's ``resolve_name`` (``name`` itself without one)."""
+        return name if self.resolve_name is None else str(resolve(self.resolve_name)(name))
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,12 @@ class Registry:
         spec = table.get(name) or table.get(self.aliases[kind].get(name, ""))
         if spec is None:
             installed = sorted(table) or ["none"]
+            known = sorted({*table, *self.aliases[kind], *(KNOWN_DISTRIBUTIONS if kind == "backend" else ())})
+            close = get_close_matches(name, known, n=1, cutoff=0.6)
+            if close and close[0] != name:
+                raise BackendNotFoundError(
+                    f"{kind} {name!r} is not installed; did you mean {close[0]!r}? available: [{', '.join(installed)}]"
+                )
             hint = KNOWN_DISTRIBUTIONS.get(name, f"genlm-{name}")
             raise BackendNotFoundError(
                 f"{kind} {name!r} is not installed; available: [{', '.join(installed)}]. "
@@ -175,15 +190,28 @@ class Register:
         description: str = "",
         check: Check = None,
         details: Check = None,
+        resolve_name: NameResolver = None,
     ) -> None:
         """Provide a backend. ``factory(model, options)`` returns an AsyncLM; ``options`` is the
         pydantic model that validates its options (use ``extra="forbid"``). ``check()`` says why it
-        cannot run here (or None); ``details()`` says what it can do here, for ``genlm backends``."""
+        cannot run here (or None); ``details()`` says what it can do here, for ``genlm backends``.
+        ``resolve_name(model)`` says where the model is, or raises
+        :class:`~genlm_core.errors.ModelNotFoundError`, before the factory's heavy imports
+        (``"genlm_core.hub:resolve_model"`` for Hugging Face names)."""
         if not (isinstance(options, type) and issubclass(options, BaseModel)):
             raise TypeError(f"backend {name!r}: options must be a pydantic model class, got {options!r}")
         if self._valid("backend", name, factory):
             spec = BackendSpec(
-                name, factory, self.plugin, self.distribution, tuple(aliases), description, check, details, options
+                name,
+                factory,
+                self.plugin,
+                self.distribution,
+                tuple(aliases),
+                description,
+                check,
+                details,
+                options,
+                resolve_name,
             )
             self._registry.add("backend", spec)
 

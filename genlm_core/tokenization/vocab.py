@@ -165,8 +165,8 @@ def decode_vocab(
     >>> tok = toy_tokenizer()
     >>> byte_vocab, str_vocab = decode_vocab(tok)
     >>> ids = tok.encode("the abc")
-    >>> [byte_vocab[i] for i in ids[:2]]
-    [Token(token_id=258, byte_string=b'the'), Token(token_id=259, byte_string=b' a')]
+    >>> byte_vocab[ids[0]], byte_vocab[ids[1]]
+    (Token(token_id=258, byte_string=b'the'), Token(token_id=259, byte_string=b' a'))
     >>> byte_vocab[tok.eos_token_id], str_vocab[257]
     (Token(token_id=0, byte_string=b'<eos>'), 'th')
     """

@@ -308,7 +308,7 @@ def test_a_prefix_that_is_not_text_is_refused(prefix):
 def toy_lm():
     lm = load_model_by_name("gpt2", backend="mock", llm_opts={"timeout": 0})
     # the mock over a small real tokenizer keeps each beam step cheap
-    from genlm_mock import MockAsyncLM
+    from genlm_core.mock import MockAsyncLM
 
     small = MockAsyncLM(toy_tokenizer(), timeout=0)
     lm.cleanup()
@@ -490,7 +490,7 @@ def test_cache_bounds_are_checked(size):
 
 
 def test_options_built_directly_raise_options_errors_naming_the_option():
-    from genlm_mock import MockAsyncLM
+    from genlm_core.mock import MockAsyncLM
 
     with pytest.raises(OptionsError, match=r"invalid options for MockOptions: option 'batch_size'"):
         MockAsyncLM.from_name("gpt2", batch_size=1.5)

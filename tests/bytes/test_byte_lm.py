@@ -21,8 +21,8 @@ from genlm_core.bytes import (
     TokenByteTrie,
     TrieMode,
 )
+from genlm_core.mock import MockAsyncLM
 from genlm_core.testing.tokenizers import toy_tokenizer
-from genlm_mock import MockAsyncLM
 
 from .exact import Enumerator
 

@@ -25,7 +25,7 @@ REL = 1e-12  # the issue asks 1e-9; float64 accumulation gives ~1e-16, float32 p
 
 @pytest.fixture(scope="module", params=["gpt2", "mistral-v1"])
 def peaked(request):
-    from genlm_mock import MockAsyncLM
+    from genlm_core.mock import MockAsyncLM
 
     lm = MockAsyncLM(load_tokenizer(request.param), scale=12.0, batch_size=256, timeout=0)
     yield lm, Enumerator(lm)

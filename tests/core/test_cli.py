@@ -29,7 +29,7 @@ def test_backends_lists_backends_engines_versions_and_failures(fresh_plugins, ca
         assert main(["backends"]) == 0
     out = capsys.readouterr().out
     mock_line = next(line for line in out.splitlines() if line.startswith("mock "))
-    assert "genlm-mock" in mock_line and "0.1.0" in mock_line and "yes" in mock_line
+    assert "genlm-core" in mock_line and "0.1.0" in mock_line and "yes" in mock_line
     assert any(line.startswith("numba ") and "trie engine" in line for line in out.splitlines())
     assert "failed to load" in out and "genlm-broken-plugin" in out and "needs libfoo" in out
 
@@ -38,9 +38,11 @@ def test_backends_prints_what_a_backend_can_do_here(fresh_plugins, capsys):
     class Modes:
         @hookimpl
         def register_backends(self, register):
-            register.backend("fast", "genlm_mock:MockAsyncLM.from_options", details=lambda: "modes A and B")
-            register.backend("absent", "genlm_mock:MockAsyncLM.from_options", check=lambda: "no", details=lambda: "x")
-            register.backend("odd", "genlm_mock:MockAsyncLM.from_options", details=lambda: 1 / 0)
+            register.backend("fast", "genlm_core.mock:MockAsyncLM.from_options", details=lambda: "modes A and B")
+            register.backend(
+                "absent", "genlm_core.mock:MockAsyncLM.from_options", check=lambda: "no", details=lambda: "x"
+            )
+            register.backend("odd", "genlm_core.mock:MockAsyncLM.from_options", details=lambda: 1 / 0)
 
     with registered(Modes(), "genlm-modes-plugin"):
         assert main(["backends"]) == 0
@@ -57,7 +59,7 @@ def test_options_lists_schema(capsys):
 
 
 def test_logprobs_prints_top_k_table_matching_the_model(capsys):
-    from genlm_mock import MockAsyncLM
+    from genlm_core.mock import MockAsyncLM
 
     assert main(["logprobs", "gpt2", "Hello world", "-b", "mock", "-k", "3", "-o", "seed=5"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -109,13 +111,62 @@ def test_options_of_a_missing_backend_is_one_line(capsys):
 
 
 @pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("hff", "backend 'hff' is not installed; did you mean 'hf'? available: ["),
+        ("mokc", "did you mean 'mock'?"),
+        ("vllmm", "did you mean 'vllm'?"),
+    ],
+)
+def test_a_misspelled_backend_gets_did_you_mean(capsys, backend, message):
+    assert_one_line_error(capsys, ["logprobs", "gpt2", "x", "-b", backend], message)
+    assert "pip install" not in capsys.readouterr().err
+
+
+def test_each_warning_is_printed_once(tmp_path):
+    """A library that prints its own log records (huggingface_hub does) and a warnings.warn: once each."""
+    program = """
+import logging, sys, warnings
+from genlm_core import hookimpl
+from genlm_core.cli import main
+from genlm_core.testing import registered
+
+def factory(name, options):
+    library = logging.getLogger("somelib.http")
+    logging.getLogger("somelib").addHandler(logging.StreamHandler())
+    library.warning("retrying the request")
+    logging.getLogger("quietlib").addHandler(logging.NullHandler())  # the usual library set-up: it prints nothing
+    logging.getLogger("quietlib.sub").warning("a library warning with no handler of its own")
+    warnings.warn("this argument is deprecated", FutureWarning)
+    raise OSError("no model")
+
+class Noisy:
+    @hookimpl
+    def register_backends(self, register):
+        register.backend("noisy", factory)
+
+with registered(Noisy(), "genlm-noisy"):
+    sys.exit(main(["logprobs", "m", "x", "-b", "noisy"]))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("retrying the request") == 1, done.stderr
+    assert done.stderr.count("this argument is deprecated") == 1, done.stderr
+    assert done.stderr.count("a library warning with no handler of its own") == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == "genlm: error: OSError: no model"
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["logprobs", "gpt2", "x", "-b", "mock", "--top", "-5"], "argument --top/-k: must be >= 1, got -5"),
         (["logprobs", "gpt2", "x", "-b", "mock", "--top", "0"], "must be >= 1, got 0"),
         (["logprobs", "gpt2", "x", "-b", "mock", "--top", "two"], "expected an integer, got 'two'"),
         (["logprobs", "gpt2", "", "-b", "mock"], "TEXT gives no tokens"),
-        (["logprobs", "no-such-model", "x", "-b", "mock"], "neither a local tokenizer folder"),
+        (
+            ["logprobs", "no-such-model", "x", "-b", "mock"],
+            "'no-such-model' is not a local folder and not in the Hugging Face cache",
+        ),
         (["logprobs", "gpt2", "x", "-b", "mock", "-o", "batch_size=1.5"], "option 'batch_size'"),
         (["logprobs", "gpt2", "x", "-b", "mock", "-o", "timeout=Infinity"], "option 'timeout'"),
         (["logprobs", "gpt2", "x", "-b", "mock", "-o", "novalue"], "must look like key=value"),
@@ -133,7 +184,10 @@ def test_logprobs_user_errors_are_one_line(capsys, argv, message):
         (["continue", "gpt2", "x", "-b", "mock", "--prune", "nan"], "argument --prune: must be"),
         (["continue", "gpt2", "x", "-b", "mock", "--sample", "--seed", "-1"], "argument --seed: must be >= 0"),
         (["continue", "gpt2", "x", "-b", "mock", "-n", "-3"], "argument --bytes/-n: must be >= 0, got -3"),
-        (["continue", "no-such-model", "x", "-b", "mock"], "neither a local tokenizer folder"),
+        (
+            ["continue", "no-such-model", "x", "-b", "mock"],
+            "'no-such-model' is not a local folder and not in the Hugging Face cache",
+        ),
     ],
 )
 def test_continue_user_errors_are_one_line(capsys, argv, message):
@@ -148,7 +202,7 @@ def test_top_larger_than_the_vocabulary_shows_the_whole_vocabulary(capsys, tmp_p
     toy_tokenizer().save_pretrained(folder)
     assert main(["logprobs", str(folder), "ab", "-b", "mock", "--top", "100000"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    from genlm_mock import MockAsyncLM
+    from genlm_core.mock import MockAsyncLM
 
     assert len(lines) - 3 == MockAsyncLM.from_name(str(folder)).vocab_size
 

@@ -105,8 +105,8 @@ def test_genlm_plugins_env_selects(fake_distributions, monkeypatch, env, expecte
     if env is not None:
         monkeypatch.setenv("GENLM_PLUGINS", env)
     plugins = reset_plugins()
-    assert set(plugins.backends()) == expected
-    assert {"numba", "torch"} <= set(plugins.trie_engines())  # built-ins are always there
+    assert set(plugins.backends()) == expected | {"mock"}  # the built-in mock is always there
+    assert {"numba", "torch"} <= set(plugins.trie_engines())  # and so are the built-in trie engines
 
 
 def test_third_party_plugin_registered_per_test(fresh_plugins, toy_tok):
@@ -162,6 +162,10 @@ def test_default_backend(fresh_plugins, toy_tok, monkeypatch):
             with registered(ThirdPartyPlugin(toy_tok, name="other")):
                 with pytest.raises(BackendNotFoundError, match="no default backend"):
                     default_backend()
+    monkeypatch.setenv("GENLM_PLUGINS", "")
+    reset_plugins()
+    with pytest.raises(BackendNotFoundError, match=r"installed are \[mock\]; pass backend=\.\.\. \(backend='mock'"):
+        default_backend()  # the model-free mock is never picked for a model name by default
 
 
 def test_load_model_from_config_dict_and_files(fresh_plugins, toy_tok, tmp_path):
@@ -231,7 +235,7 @@ def test_name_collision_names_both_distributions_and_the_rest_still_load(monkeyp
         ("dup", "genlm-second", backend_module("second", toy_tok)),
         ("third", "genlm-third", backend_module("third", toy_tok)),
     )
-    assert set(plugins.backends()) == {"first", "third"}
+    assert set(plugins.backends()) - {"mock"} == {"first", "third"}
     (failure,) = plugins.failures
     assert failure.distribution == "genlm-second"
     assert "name collision" in failure.error and "genlm-first" in failure.error and "genlm-second" in failure.error
@@ -243,7 +247,7 @@ def test_misspelled_hook_is_a_failure_not_silence(monkeypatch, toy_tok):
     plugins = entry_point_plugins(
         monkeypatch, ("typo", "genlm-typo", typo), ("good", "genlm-good", backend_module("good", toy_tok))
     )
-    assert set(plugins.backends()) == {"good"}
+    assert set(plugins.backends()) - {"mock"} == {"good"}
     (failure,) = plugins.failures
     assert failure.distribution == "genlm-typo"
     assert "'register_backend' (did you mean 'register_backends'?) matches no genlm hook" in failure.error
@@ -254,7 +258,7 @@ def test_bad_hook_signature_is_a_failure(monkeypatch, toy_tok):
     plugins = entry_point_plugins(
         monkeypatch, ("wrong", "genlm-wrong", wrong), ("good", "genlm-good", backend_module("good", toy_tok))
     )
-    assert set(plugins.backends()) == {"good"}
+    assert set(plugins.backends()) - {"mock"} == {"good"}
     (failure,) = plugins.failures
     assert failure.distribution == "genlm-wrong" and "invalid hook" in failure.error and "registry" in failure.error
 
@@ -268,7 +272,7 @@ def test_factory_string_that_cannot_resolve_is_a_failure_and_other_backends_regi
     plugins = entry_point_plugins(
         monkeypatch, ("multi", "genlm-multi", fake_module("multi", register_backends=hookimpl(hook)))
     )
-    assert set(plugins.backends()) == {"fine"}
+    assert set(plugins.backends()) - {"mock"} == {"fine"}
     errors = sorted(f.error for f in plugins.failures)
     assert all(f.distribution == "genlm-multi" for f in plugins.failures)
     assert "'malformed': factory 'no colon here' must look like 'package.module:attr'" in errors[0]
@@ -306,4 +310,4 @@ def test_explicit_registration_refuses_broken_plugins(fresh_plugins):
 def test_installed_mock_plugin_is_discovered():
     plugins = Plugins()
     spec = plugins.backend("mock")
-    assert spec.distribution == "genlm-mock" and spec.unavailable_reason() is None
+    assert spec.distribution == "genlm-core" and spec.unavailable_reason() is None

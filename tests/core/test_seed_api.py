@@ -48,7 +48,7 @@ def test_byte2str_fallbacks(name):
 
 
 def test_lm_str_vocab_keeps_the_tokenizers_piece():
-    from genlm_mock import MockAsyncLM
+    from genlm_core.mock import MockAsyncLM
 
     lm = MockAsyncLM.from_name("gpt2")
     tok = lm.tokenizer

@@ -147,3 +147,16 @@ def test_round_trip_check_catches_wrong_vocab(toy_tok, monkeypatch):
 def test_bare_tokenizers_object(toy_tok):
     bare = toy_tok.backend_tokenizer
     assert decode_vocab(bare)[0] == decode_vocab(toy_tok)[0]
+
+
+def test_gpt2_is_built_without_tiktoken_exactly_as_transformers_builds_it_with_tiktoken():
+    from tiktoken.load import load_tiktoken_bpe
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from genlm_core.testing.tokenizers import GPT2_PATTERN, WHISPER, byte_level_bpe, package_file, read_rank_file
+
+    path = str(package_file(WHISPER, "whisper/assets/gpt2.tiktoken"))
+    assert read_rank_file(path) == load_tiktoken_bpe(path)
+    ours = byte_level_bpe(read_rank_file(path), GPT2_PATTERN, ["<|endoftext|>"])
+    theirs = TikTokenConverter(vocab_file=path, pattern=GPT2_PATTERN, extra_special_tokens=["<|endoftext|>"])
+    assert ours.to_str() == theirs.converted().to_str()

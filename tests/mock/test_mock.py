@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from genlm_core import load_model_by_name
+from genlm_core.mock import MockAsyncLM, MockOptions
 from genlm_core.testing import check_lm_contract
-from genlm_mock import MockAsyncLM, MockOptions
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,10 @@ def test_options_are_validated():
 
 
 def test_unknown_model_name_is_explained():
-    with pytest.raises(ValueError, match="neither a local tokenizer folder nor a built-in"):
+    with pytest.raises(OSError, match=r"^no such file or folder: 'no/such/model'$"):
         MockAsyncLM.from_name("no/such/model")
+    with pytest.raises(OSError, match=r"not in the Hugging Face cache.*did you mean 'mistral-v3' or 'mistral-v1'\?$"):
+        MockAsyncLM.from_name("mistral-v2")
 
 
 def test_local_tokenizer_folder(tmp_path, toy_tok):

@@ -22,8 +22,8 @@ SEED_CLASSES = {
     "mlx": "genlm.backend.llm.mlx:AsyncMlxLM",
 }
 BASE_CLASS = "genlm.backend.llm.base:AsyncLM"
-#: Top-level package of each genlm backend plugin -> its backend name.
-PACKAGES = {"genlm_hf": "hf", "genlm_vllm": "vllm", "genlm_mock": "mock", "genlm_mlx": "mlx"}
+#: The package or module that defines each genlm backend -> its backend name.
+PACKAGES = {"genlm_hf": "hf", "genlm_vllm": "vllm", "genlm_core.mock": "mock", "genlm_mlx": "mlx"}
 
 
 def seed_class(backend: str | None) -> type:
@@ -35,9 +35,9 @@ def seed_class(backend: str | None) -> type:
 def backend_of(lm: AsyncLM) -> str | None:
     """The genlm backend name of ``lm``, from the plugin package that defines its class."""
     for cls in type(lm).__mro__:
-        name = PACKAGES.get(cls.__module__.partition(".")[0])
-        if name:
-            return name
+        for package, name in PACKAGES.items():
+            if cls.__module__ == package or cls.__module__.startswith(package + "."):
+                return name
     return None
 
 
@@ -207,7 +207,7 @@ def wrap(lm: AsyncLM) -> CompatLM:
     """``lm`` as an object genlm-control, genlm-bytes and llamppl accept wherever they take a
     genlm-backend LM; the same wrapper each time for the same ``lm``. A wrapper is returned as is.
 
-    >>> from genlm_mock import MockAsyncLM
+    >>> from genlm_core.mock import MockAsyncLM
     >>> from genlm.backend.llm import MockAsyncLM as SeedMock
     >>> lm = wrap(MockAsyncLM.from_name("gpt2"))
     >>> isinstance(lm, SeedMock), type(lm.byte_vocab[0]).__module__, lm.byte_vocab[13]

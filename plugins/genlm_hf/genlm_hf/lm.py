@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from genlm_core import AsyncLM, LoRASelection, Request, Tokenizer
+from genlm_core.hub import resolve_model
 from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_hf.options import HFOptions
 
@@ -128,9 +129,11 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
 
     @classmethod
     def from_options(cls, model_id: str, options: HFOptions) -> AsyncTransformer:
-        """The registry factory: load ``model_id`` with validated options."""
+        """The registry factory: load ``model_id`` with validated options (a local folder, ``smollm2``,
+        or a hub id; see :func:`genlm_core.hub.resolve_model`)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        model_id = resolve_model(model_id)
         tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=options.trust_remote_code)
         model: Any = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs(options))
         if options.device_map is None and not (options.load_in_8bit or options.load_in_4bit):

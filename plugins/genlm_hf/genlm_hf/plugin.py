@@ -9,6 +9,7 @@ def register_backends(register: Register) -> None:
     register.backend(
         "hf",
         "genlm_hf.lm:AsyncTransformer.from_options",
+        resolve_name="genlm_core.hub:resolve_model",
         options=HFOptions,
         aliases=("transformers",),
         description="Hugging Face transformers, CPU or CUDA; automatic KV reuse, LoRA, bitsandbytes.",

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from genlm_core import AsyncLM, Request, Tokenizer
+from genlm_core.hub import resolve_model
 from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
 from genlm_mlx.options import MLXOptions
 
@@ -96,6 +97,7 @@ class AsyncMlxLM(KVReuse, AsyncLM):
         options as keywords)."""
         import mlx_lm
 
+        model_path = resolve_model(model_path)
         config = {**normalise_config(Path(model_path)), **options.model_config_overrides}
         model, wrapper, *_ = mlx_lm.load(model_path, model_config=config)
         return cls(model, getattr(wrapper, "_tokenizer", wrapper), options)

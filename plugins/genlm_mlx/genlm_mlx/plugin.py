@@ -19,6 +19,7 @@ def register_backends(register: Register) -> None:
     register.backend(
         "mlx",
         "genlm_mlx.lm:AsyncMlxLM.from_options",
+        resolve_name="genlm_core.hub:resolve_model",
         options=MLXOptions,
         description="MLX via mlx-lm (Apple silicon; CPU on Linux); automatic KV reuse.",
         check=unavailable_reason,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from genlm_core import AsyncLM, AutoBatcher, LoRASelection, Request, Tokenizer
+from genlm_core.hub import resolve_model
 from genlm_vllm.options import VLLMOptions
 from genlm_vllm.plugin import INSTALL
 from genlm_vllm.processes import (
@@ -158,9 +159,11 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
     @classmethod
     def from_options(cls, model: str, options: VLLMOptions) -> AsyncVirtualLM:
-        """The registry factory: starts the engine in the layout ``options`` ask for."""
+        """The registry factory: starts the engine in the layout ``options`` ask for (``model``: a local
+        folder, ``smollm2``, or a hub id; see :func:`genlm_core.hub.resolve_model`)."""
         from transformers import AutoTokenizer
 
+        model = resolve_model(model)
         if options.replicas > 1:
             from genlm_vllm.replicas import ReplicatedLM
 

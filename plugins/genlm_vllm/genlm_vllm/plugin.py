@@ -20,6 +20,7 @@ def register_backends(register: Register) -> None:
     register.backend(
         "vllm",
         "genlm_vllm.lm:AsyncVirtualLM.from_options",
+        resolve_name="genlm_core.hub:resolve_model",
         options=VLLMOptions,
         description="vLLM V1 engine (CUDA, or its CPU build); logits captured inside the engine.",
         check=unavailable_reason,

@@ -1,4 +1,6 @@
-"""The mock language model: each context gets its own fixed, peaked random distribution."""
+"""The ``mock`` backend, built into genlm-core: no model, a real tokenizer, and for each context its own
+fixed, peaked random distribution. For trying genlm and testing programs and plugins without weights.
+"""
 
 from __future__ import annotations
 
@@ -11,34 +13,47 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
 
-from genlm_core import AsyncLM, Request, Tokenizer
-from genlm_mock.options import MockOptions
+from genlm_core.config import BackendOptions
+from genlm_core.hub import resolve_model
+from genlm_core.lm import AsyncLM, Request
+from genlm_core.tokenization import Tokenizer
 
 
-class TokenizerNotFoundError(OSError, ValueError):
-    """No tokenizer by that name: an OSError like transformers' own, and a ValueError (a bad name)."""
+class MockOptions(BackendOptions):
+    """Options of the ``mock`` backend."""
+
+    seed: int = Field(0, description="Changes every distribution; the same seed gives the same model.")
+    scale: float = Field(3.0, gt=0, description="Standard deviation of the logits (larger is peakier).")
+    vocab_padding: int = Field(0, ge=0, description="Extra logit columns beyond the tokenizer, as padded models have.")
+    delay: float = Field(0.0, ge=0, description="Seconds each batch takes, to simulate model latency.")
+    keep_batches: int = Field(1000, ge=0, description="Most recent batches kept in `.batches` (memory stays bounded).")
+
+
+def tokenizer_location(name: str) -> str:
+    """Where the mock's tokenizer ``name`` is: a local folder, a built-in offline tokenizer (``gpt2``,
+    ``mistral-v1``, ... : kept as the name), or what :func:`~genlm_core.hub.resolve_model` finds
+    (an offline model, the Hugging Face cache, the hub); else a one-line
+    :class:`~genlm_core.errors.ModelNotFoundError`. The mock backend's ``resolve_name``."""
+    from genlm_core.testing.tokenizers import TOKENIZERS
+
+    if Path(name).expanduser().exists() or name in TOKENIZERS:
+        return name
+    return resolve_model(name, known=TOKENIZERS)
 
 
 def load_tokenizer(name: str) -> Tokenizer:
-    """A local tokenizer folder, a built-in offline tokenizer name (``gpt2``, ``mistral-v1``, ...), or a
-    tokenizer the Hugging Face hub serves (where it can be reached)."""
+    """The tokenizer of :func:`tokenizer_location`; built-in names are built offline, once per machine."""
     from transformers import AutoTokenizer
 
     from genlm_core.testing.tokenizers import TOKENIZERS
     from genlm_core.testing.tokenizers import load_tokenizer as builtin
 
-    if Path(name).exists():
-        return AutoTokenizer.from_pretrained(name)
-    if name in TOKENIZERS:
-        return builtin(name)
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except OSError as exc:
-        raise TokenizerNotFoundError(
-            f"mock backend: {name!r} is neither a local tokenizer folder nor a built-in tokenizer "
-            f"({sorted(TOKENIZERS)}), and the Hugging Face hub did not give it ({exc.__class__.__name__})"
-        ) from exc
+    location = tokenizer_location(name)
+    if location in TOKENIZERS and not Path(location).exists():
+        return builtin(location)
+    return AutoTokenizer.from_pretrained(location)
 
 
 class MockAsyncLM(AsyncLM):

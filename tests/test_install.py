@@ -1,0 +1,101 @@
+"""Fresh installs from this repo's wheels, as a new user makes them: each install the README names runs the
+README's Quick start and ``genlm backends``.
+
+Two fresh virtualenvs: genlm-core with genlm-hf (transformers resolves to the newest of the tested range), and
+genlm-core alone with transformers held at the range's floor. Only the package registries are used; the
+model hub is never reached.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+QUICK_START = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
+PROMISED = re.findall(r"^print\(.*\)  # prints (.+?): ", QUICK_START, flags=re.M)
+
+
+def core_transformers_range() -> Requirement:
+    text = (ROOT / "pyproject.toml").read_text()
+    return Requirement(re.search(r'"(transformers[^"]*)"', text).group(1))  # type: ignore[union-attr]
+
+
+def run(*cmd: object, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
+
+
+def checked(*cmd: object, **kwargs: object) -> str:
+    done = run(*cmd, **kwargs)  # type: ignore[arg-type]
+    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("wheels")
+    checked(
+        sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out,
+        ROOT, ROOT / "plugins" / "genlm_hf",
+    )  # fmt: skip
+    return {w.name.split("-")[0]: w for w in out.glob("*.whl")}
+
+
+def fresh_venv(path: Path, *requirements: object) -> Path:
+    """A new virtualenv with torch (the CPU wheel, first, as the README says), then ``requirements``."""
+    checked(sys.executable, "-m", "venv", path)
+    python = path / "bin" / "python"
+    checked(python, "-m", "pip", "install", "-q", "torch==2.13.0")
+    checked(python, "-m", "pip", "install", "-q", *requirements)
+    return python
+
+
+def user_env(home: Path) -> dict[str, str]:
+    """A new user's environment: their own caches, nothing of this test run's plugin selection."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GENLM_", "HF_", "PYTEST"))}
+    return {**env, "HOME": str(home), "HF_HOME": str(home / "hf"), "GENLM_CACHE_DIR": str(home / "genlm")}
+
+
+def check_readme_runs(python: Path, home: Path, backends: set[str]) -> None:
+    env = user_env(home)
+    listing = checked(python.parent / "genlm", "backends", env=env, cwd=home)
+    rows = {line.split()[0]: line for line in listing.splitlines()[2:] if line.strip() and "kind" not in line}
+    assert backends <= {name for name, row in rows.items() if " yes " in row}, listing
+    assert "failed to load" not in listing, listing
+    printed = checked(python, "-c", QUICK_START, env=env, cwd=home).splitlines()
+    assert PROMISED and printed[: len(PROMISED)] == PROMISED, printed
+
+
+def installed_transformers(python: Path) -> Version:
+    return Version(checked(python, "-c", "import transformers; print(transformers.__version__)").strip())
+
+
+@pytest.mark.slow
+def test_core_and_hf_alone_run_the_readme(wheels, tmp_path):
+    python = fresh_venv(tmp_path / "venv", wheels["genlm_core"], wheels["genlm_hf"])
+    home = tmp_path / "home"
+    home.mkdir()
+    check_readme_runs(python, home, {"mock", "hf"})
+    assert installed_transformers(python) in core_transformers_range().specifier
+    # the offline model needs one more package: the error names it, at once and in one line
+    done = run(python.parent / "genlm", "continue", "smollm2", "hi", "-b", "hf", env=user_env(home), cwd=home)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.strip().endswith("needs gguf: pip install gguf"), done.stderr
+
+
+@pytest.mark.slow
+def test_core_alone_runs_the_readme_on_the_oldest_tested_transformers(wheels, tmp_path):
+    floor = next(s.version for s in core_transformers_range().specifier if s.operator == ">=")
+    python = fresh_venv(tmp_path / "venv", wheels["genlm_core"], f"transformers=={floor}")
+    home = tmp_path / "home"
+    home.mkdir()
+    check_readme_runs(python, home, {"mock"})
+    assert installed_transformers(python) == Version(floor)
