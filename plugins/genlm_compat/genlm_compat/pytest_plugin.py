@@ -9,6 +9,7 @@ leaves genlm-backend in place: the same suite then runs on genlm-backend, for co
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,11 @@ def offline_path(name: Any) -> Any:
     return name
 
 
+def stand_in(name: str) -> Path:
+    """The folder of ``name``'s offline stand-in (built once)."""
+    return Path(offline_path(name))
+
+
 def _map_first_argument(owner: type) -> None:
     original = owner.__dict__["from_pretrained"].__func__
 
@@ -49,8 +55,12 @@ def _map_first_argument(owner: type) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+    from genlm_core.hub import OFFLINE_MODELS, OfflineModel
+
     for owner in (AutoTokenizer, AutoModelForCausalLM, PreTrainedTokenizerBase, PreTrainedModel):
         _map_first_argument(owner)
+    for name in GPT2_NAMES | LLAMA2_TOKENIZER_NAMES:  # genlm's backends look names up before from_pretrained
+        OFFLINE_MODELS[name] = OfflineModel(f"offline stand-in for {name}", functools.partial(stand_in, name))
     if os.environ.get("GENLM_COMPAT", "on") != "off":
         import genlm_compat
 
