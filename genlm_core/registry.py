@@ -200,7 +200,12 @@ class Register:
         (``"genlm_core.hub:resolve_model"`` for Hugging Face names)."""
         if not (isinstance(options, type) and issubclass(options, BaseModel)):
             raise TypeError(f"backend {name!r}: options must be a pydantic model class, got {options!r}")
-        if self._valid("backend", name, factory):
+        resolver_problem = (
+            None if resolve_name is None else reference_problem(resolve_name, f"backend {name!r}: resolve_name")
+        )
+        if resolver_problem is not None:
+            self.problems.append(resolver_problem)
+        elif self._valid("backend", name, factory):
             spec = BackendSpec(
                 name,
                 factory,

@@ -268,6 +268,7 @@ def test_factory_string_that_cannot_resolve_is_a_failure_and_other_backends_regi
         register.backend("missing", "genlm_no_such_package.model:load")
         register.backend("malformed", "no colon here")
         register.backend("fine", "genlm_core.testing:check_lm_contract")
+        register.backend("unresolvable", "genlm_core.testing:check_lm_contract", resolve_name="genlm_nowhere:find")
 
     plugins = entry_point_plugins(
         monkeypatch, ("multi", "genlm-multi", fake_module("multi", register_backends=hookimpl(hook)))
@@ -277,6 +278,7 @@ def test_factory_string_that_cannot_resolve_is_a_failure_and_other_backends_regi
     assert all(f.distribution == "genlm-multi" for f in plugins.failures)
     assert "'malformed': factory 'no colon here' must look like 'package.module:attr'" in errors[0]
     assert "no module named 'genlm_no_such_package'" in errors[1]
+    assert "'unresolvable': resolve_name 'genlm_nowhere:find' does not resolve" in errors[2]
 
 
 def test_import_failure_is_recorded_and_discovery_can_be_retried(monkeypatch, toy_tok):
