@@ -1,5 +1,5 @@
-"""Fresh installs from this repo's wheels, as a new user makes them: each install the README names runs the
-README's Quick start and ``genlm backends``.
+"""Fresh installs from this repo's wheels, as a new user makes them: each install the README names runs
+``genlm backends`` and every runnable example of the README (the Quick start first).
 
 Two fresh virtualenvs: genlm-core with genlm-hf (transformers resolves to the newest of the tested range), and
 genlm-core alone with transformers held at the range's floor. Only the package registries are used; the
@@ -20,8 +20,9 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-QUICK_START = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
-PROMISED = re.findall(r"^print\(.*\)  # prints (.+?): ", QUICK_START, flags=re.M)
+EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)  # ```py blocks are illustrative
+CONFIG = re.findall(r"```toml\n(.*?)```", README, flags=re.S)[0]  # the model.toml the config example loads
+PROMISED = re.findall(r"^print\(.*\)  # prints (.+?): ", EXAMPLES[0], flags=re.M)
 
 
 def core_transformers_range() -> Requirement:
@@ -70,8 +71,9 @@ def check_readme_runs(python: Path, home: Path, backends: set[str]) -> None:
     rows = {line.split()[0]: line for line in listing.splitlines()[2:] if line.strip() and "kind" not in line}
     assert backends <= {name for name, row in rows.items() if " yes " in row}, listing
     assert "failed to load" not in listing, listing
-    printed = checked(python, "-c", QUICK_START, env=env, cwd=home).splitlines()
-    assert PROMISED and printed[: len(PROMISED)] == PROMISED, printed
+    (home / "model.toml").write_text(CONFIG)
+    printed = checked(python, "-c", "\n".join(EXAMPLES), env=env, cwd=home).splitlines()
+    assert PROMISED and printed[: len(PROMISED)] == PROMISED, printed  # the Quick start prints what it says
 
 
 def installed_transformers(python: Path) -> Version:
