@@ -18,11 +18,12 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from .test_readme import blocks, promised_prints
+
 ROOT = Path(__file__).resolve().parent.parent
-README = (ROOT / "README.md").read_text()
-EXAMPLES = re.findall(r"```python\n(.*?)```", README, flags=re.S)  # ```py blocks are illustrative
-CONFIG = re.findall(r"```toml\n(.*?)```", README, flags=re.S)[0]  # the model.toml the config example loads
-PROMISED = re.findall(r"^print\(.*\)  # prints (.+?): ", EXAMPLES[0], flags=re.M)
+EXAMPLES = blocks("python")  # ```py blocks are illustrative
+CONFIG = blocks("toml")[0]  # the model.toml the config example loads
+PROMISED = promised_prints(EXAMPLES[0])
 
 
 def core_transformers_range() -> Requirement:

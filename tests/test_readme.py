@@ -12,6 +12,11 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def promised_prints(code: str) -> list[str]:
+    """What ``print(...)  # prints X: ...`` comments in ``code`` say it prints, in order."""
+    return re.findall(r"^print\(.*\)  # prints (.+?): ", code, flags=re.M)
+
+
 def test_readme_python_examples_run(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model.toml").write_text(blocks("toml")[0])
@@ -23,7 +28,7 @@ def test_readme_python_examples_run(tmp_path, monkeypatch, capsys):
     assert namespace["lm"].options.seed == 1  # the config file was loaded
     assert len(namespace["best"]) == 64
     printed = capsys.readouterr().out.splitlines()
-    promised = re.findall(r"^print\(.*\)  # prints (.+?): ", runnable[0], flags=re.M)
+    promised = promised_prints(runnable[0])
     assert promised and printed[: len(promised)] == promised  # the Quick start's comments say what it prints
 
 
