@@ -53,20 +53,24 @@ class LiveContexts(Generic[H]):
     at most one request of the next batch.
 
     :meth:`plan` matches a batch against them and hands back the ones nobody continued (release
-    them); afterwards the caller :meth:`keep` s the sequences the batch left alive. A sequence is
-    live for one batch only: a program that skips a step or goes back gets a fresh computation,
-    which is always right."""
+    them); afterwards the caller :meth:`keep` s the sequences the batch left alive. By default a
+    sequence is live for one batch only (an engine whose parked sequences hold scarce slots, like
+    vLLM's sessions): a program that skips a step or goes back gets a fresh computation, which is
+    always right. With ``keep_unclaimed`` the sequences nobody continued stay live, oldest first in
+    line for :meth:`evict` (an engine whose sequences are cheap to hold, like llama.cpp's), so a
+    particle whose row came in a later batch still continues its sequence."""
 
-    def __init__(self, lookback: int = 1):
+    def __init__(self, lookback: int = 1, keep_unclaimed: bool = False):
         self.lookback = lookback
+        self.keep_unclaimed = keep_unclaimed
         self._live: dict[LineageKey, H] = {}
 
     def __len__(self) -> int:
         return len(self._live)
 
     def plan(self, requests: Sequence[Request]) -> tuple[list[Continuation[H] | None], list[H]]:
-        """One :class:`Continuation` (or None: compute afresh) per request, and the handles that no
-        request continues. Empties the live set: every handle is either continued or released. A
+        """One :class:`Continuation` (or None: compute afresh) per request, and the handles to
+        release: those no request continues (none with ``keep_unclaimed``: they stay live). A
         request extending a sequence that an earlier request of the batch continues gets a ``fork``."""
         live, self._live = self._live, {}
         continued: dict[LineageKey, H] = {}
@@ -86,11 +90,24 @@ class LiveContexts(Generic[H]):
             else:
                 cut, (handle, fork) = hit
                 plan.append(Continuation(handle, request.token_ids[-cut:], fork))
+        if self.keep_unclaimed:
+            self._live = live
+            return plan, []
         return plan, list(live.values())
 
-    def keep(self, request: Request, handle: H) -> None:
-        """``handle`` holds ``request``'s context alive for the next batch."""
-        self._live[(request.adapter, request.token_ids)] = handle
+    def keep(self, request: Request, handle: H) -> H | None:
+        """``handle`` holds ``request``'s context alive for the next batch (the newest in line).
+        Returns the handle that held the same context before, if any: release it."""
+        key = (request.adapter, request.token_ids)
+        before = self._live.pop(key, None)
+        self._live[key] = handle
+        return before if before != handle else None
+
+    def evict(self) -> H | None:
+        """Forget the live sequence kept longest ago and return its handle (to release), or None."""
+        if not self._live:
+            return None
+        return self._live.pop(next(iter(self._live)))
 
     def release_all(self) -> list[H]:
         """Forget every live sequence; their handles, to release."""

@@ -33,3 +33,19 @@ def test_a_live_context_lasts_one_batch():
     assert plan == [None] and released == []
     live.keep(Request((1, 2)), "b")
     assert live.release_all() == ["b"] and len(live) == 0
+
+
+def test_unclaimed_contexts_stay_live_until_evicted_oldest_first():
+    live: LiveContexts[str] = LiveContexts(keep_unclaimed=True)
+    live.keep(Request((1, 2)), "a")
+    live.keep(Request((5, 6)), "b")
+    live.keep(Request((8,)), "c")
+    plan, released = live.plan([Request((5, 6, 7))])  # continues "b"; "a" and "c" wait
+    assert plan == [Continuation("b", (7,))] and released == []
+    assert live.keep(Request((5, 6, 7)), "b") is None
+    plan, released = live.plan([Request((1, 2, 3)), Request((1, 2, 4))])  # a later batch still continues "a"
+    assert plan == [Continuation("a", (3,)), Continuation("a", (4,), fork=True)] and released == []
+    live.keep(Request((1, 2, 3)), "a")
+    live.keep(Request((1, 2, 4)), "d")
+    assert live.keep(Request((8,)), "e") == "c"  # a fresh sequence for a live context displaces the old one
+    assert [live.evict() for _ in range(5)] == ["b", "a", "d", "e", None]

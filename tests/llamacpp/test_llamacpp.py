@@ -1,0 +1,245 @@
+"""genlm-llamacpp against genlm-hf on the same float32 weights, through every path a particle program takes."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_core import OptionsError, load_model_by_name
+from genlm_core.errors import ModelNotFoundError
+from genlm_core.testing import check_lm_contract
+from genlm_core.tokenization import decode_vocabulary
+from genlm_llamacpp import LlamaCppLM
+from genlm_llamacpp.engine import EngineConfig, LlamaEngine
+from genlm_llamacpp.files import resolve_gguf
+
+ATOL = 1e-4
+
+
+def llamacpp(gguf: str, **opts) -> LlamaCppLM:
+    return load_model_by_name(gguf, backend="llamacpp", llm_opts={"timeout": 0.001, **opts})
+
+
+def hf(folder: str):
+    return load_model_by_name(folder, backend="hf", llm_opts={"dtype": "float32"})
+
+
+def test_byte_vocab_is_llama_cpps_and_the_hugging_face_tokenizers(tiny):
+    """llama.cpp's own detokenization of every token equals the bytes genlm decodes from the Hugging
+    Face tokenizer the GGUF was written from (byte-level BPE, and SentencePiece with <0xNN> bytes)."""
+    folder, gguf = tiny
+    from transformers import AutoTokenizer
+
+    engine = LlamaEngine(gguf, EngineConfig(n_seq_max=1, n_ctx=64))
+    try:
+        pieces = engine.token_bytes()
+    finally:
+        engine.close()
+    expected = [bytes(t) for t in decode_vocabulary(AutoTokenizer.from_pretrained(folder)).byte_vocab]
+    assert pieces == expected
+    lm = llamacpp(gguf)
+    assert [bytes(t) for t in lm.byte_vocab] == pieces
+    if "mistral" in folder or len(pieces) == 32000:
+        assert pieces[3 + 0x41] == b"A" and pieces[3 + 0xFF] == b"\xff"  # <0x41>, <0xFF>: raw bytes
+    lm.cleanup()
+
+
+def test_a_tokenizer_with_other_bytes_is_refused(tiny_gpt2):
+    _, gguf = tiny_gpt2
+    from genlm_core.testing.tokenizers import load_tokenizer
+
+    engine = LlamaEngine(gguf, EngineConfig(n_seq_max=4, n_ctx=64))
+    with pytest.raises(ValueError, match=r"decode to other bytes than in llama\.cpp"):
+        LlamaCppLM(engine, load_tokenizer("mistral-v1"), n_seq_max=4, batch_size=4)
+    engine.close()
+
+
+def test_rows_equal_genlm_hf_on_the_same_weights(tiny):
+    folder, gguf = tiny
+    lm, ref = llamacpp(gguf), hf(folder)
+    contexts = [[5], [5, 6, 7], list(range(100, 160)), [1, 2, 3, 4, 5, 6]]
+    ours = lm.batch_next_token_logprobs_sync(contexts)
+    theirs = torch.stack([ref.next_token_logprobs_uncached(c) for c in contexts])
+    assert (ours - theirs).abs().max().item() < ATOL
+    assert lm.engine.config.cache_type == "f32" and lm.engine.config.flash_attn is False
+    lm.cleanup()
+    ref.cleanup()
+
+
+async def particle_program(
+    lm, vocab: int, particles: int, steps: int, seed: int
+) -> dict[tuple[int, ...], torch.Tensor]:
+    """Particles extend their contexts by sampled tokens; every few steps they resample (siblings fork),
+    some go back to an older context, and some requests are cancelled mid-flight. Returns every row served."""
+    rng = random.Random(seed)
+    contexts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(particles)]
+    served: dict[tuple[int, ...], torch.Tensor] = {}
+    for step in range(steps):
+        tasks = [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts]
+        cancelled = set(rng.sample(range(particles), 2)) if step % 7 == 3 else set()
+        await asyncio.sleep(0)
+        for i in cancelled:
+            tasks[i].cancel()
+        rows = await asyncio.gather(*tasks, return_exceptions=True)
+        for i, (c, row) in enumerate(zip(contexts, rows)):
+            if i in cancelled and isinstance(row, asyncio.CancelledError):
+                continue  # asks again next step
+            served[tuple(c)] = row
+            c.append(
+                int(
+                    torch.multinomial(
+                        row.exp().double(), 1, generator=torch.Generator().manual_seed(seed + step * 97 + i)
+                    )
+                )
+            )
+        if step % 5 == 4:  # resample: siblings share a parent
+            contexts = [list(contexts[rng.randrange(particles)]) for _ in range(particles)]
+        if step % 11 == 6:  # one particle goes back to an older context
+            c = contexts[rng.randrange(particles)]
+            del c[max(1, len(c) - rng.randint(2, 6)) :]
+    return served
+
+
+def assert_rows_match(served, ref, atol=ATOL):
+    contexts = list(served)
+    worst = 0.0
+    for start in range(0, len(contexts), 64):
+        chunk = contexts[start : start + 64]
+        theirs = [ref.next_token_logprobs_uncached(c) for c in chunk]
+        worst = max(worst, max((served[c] - t).abs().max().item() for c, t in zip(chunk, theirs)))
+    assert worst < atol, f"largest difference from genlm-hf: {worst}"
+    return worst
+
+
+def assert_no_sequence_leaks(lm):
+    seqs = lm.sequences
+    live = seqs.live.release_all()
+    assert sorted(live + seqs.free) == list(range(lm.engine.config.n_seq_max))
+    assert all(lm.engine.sequence_length(s) == 0 for s in seqs.free if s not in live)
+
+
+def test_hundreds_of_continued_forked_cancelled_and_rewound_steps_match_genlm_hf(tiny_gpt2):
+    folder, gguf = tiny_gpt2
+    lm, ref = llamacpp(gguf, batch_size=16), hf(folder)
+    served = asyncio.run(particle_program(lm, lm.vocab_size, particles=12, steps=200, seed=1))
+    s = lm.sequences.stats
+    assert len(served) > 2000
+    assert s.continued > 1500 and s.forked > 100 and s.fresh > 10  # every path ran
+    assert s.tokens_computed < 1.3 * s.rows  # a continued row costs its one new token
+    assert_rows_match(served, ref)
+    assert_no_sequence_leaks(lm)
+    lm.cleanup()
+    ref.cleanup()
+
+
+def test_a_full_kv_cache_or_too_few_sequences_give_fresh_rows_never_wrong_ones(tiny_gpt2):
+    folder, gguf = tiny_gpt2
+    ref = hf(folder)
+    # 12 particles of up to 80 tokens in 256 cells (llama.cpp's least): live sequences are evicted for room
+    small = llamacpp(gguf, batch_size=12, n_seq_max=12, n_ctx=256)
+    served = asyncio.run(particle_program(small, small.vocab_size, particles=12, steps=70, seed=2))
+    assert small.sequences.stats.evicted > 0 and small.context_limit == 256
+    # a batch that cannot fit at all (6 x 60 tokens in 256 cells): each row alone
+    unrelated = [list(range(1000 + 100 * i, 1060 + 100 * i)) for i in range(6)]
+    alone = small.sequences.stats.alone
+    served.update(zip(map(tuple, unrelated), small.batch_next_token_logprobs_sync(unrelated)))
+    assert small.sequences.stats.alone == alone + 6
+    assert_rows_match(served, ref)
+    assert_no_sequence_leaks(small)
+    small.cleanup()
+    few = llamacpp(gguf, batch_size=4, n_seq_max=5)  # 12 particles, 5 sequences: batches of 4, evictions
+    served = asyncio.run(particle_program(few, few.vocab_size, particles=12, steps=30, seed=3))
+    assert few.sequences.stats.evicted > 20
+    assert_rows_match(served, ref)
+    assert_no_sequence_leaks(few)
+    few.cleanup()
+    off = llamacpp(gguf, live_sequences=False)
+    served = asyncio.run(particle_program(off, off.vocab_size, particles=6, steps=10, seed=4))
+    assert off.sequences.stats.continued == 0 and len(off.sequences.live) == 0
+    assert_rows_match(served, ref)
+    off.cleanup()
+    ref.cleanup()
+
+
+def test_an_engine_error_fails_its_batch_frees_its_sequences_and_the_model_serves_on(tiny_gpt2):
+    _, gguf = tiny_gpt2
+    lm = llamacpp(gguf, batch_size=8)
+    contexts = [[5, 6, 7 + i] for i in range(6)]
+    before = lm.batch_next_token_logprobs_sync(contexts)
+    real = lm.engine.decode
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("llama_decode exploded")
+
+    lm.engine.decode = broken
+
+    async def batch():
+        return await asyncio.gather(*(lm.next_token_logprobs(c + [9]) for c in contexts), return_exceptions=True)
+
+    failures = asyncio.run(batch())
+    assert all(isinstance(f, RuntimeError) and "exploded" in str(f) for f in failures)
+    lm.engine.decode = real
+    assert_no_sequence_leaks(lm)
+    again = torch.stack(asyncio.run(batch()))
+    lm.clear_cache()
+    assert (lm.batch_next_token_logprobs_sync(contexts) - before).abs().max().item() < 1e-5
+    fresh = torch.stack([lm.next_token_logprobs_uncached(c + [9]) for c in contexts])
+    assert (again - fresh).abs().max().item() < 1e-5
+    lm.cleanup()
+
+
+def test_the_whole_protocol_and_close(tiny_gpt2):
+    _, gguf = tiny_gpt2
+    lm = llamacpp(gguf, batch_size=8)
+    check_lm_contract(lm, [[5], [5, 6, 7], list(range(50, 90)), [5, 6, 8]], close=True)
+
+
+def test_options_and_names_are_checked_before_loading(tmp_path, tiny_gpt2):
+    _, gguf = tiny_gpt2
+    with pytest.raises(OptionsError, match="raise n_seq_max"):
+        llamacpp(gguf, batch_size=100, n_seq_max=64)
+    with pytest.raises(OptionsError, match="n_seq_max"):
+        llamacpp(gguf, n_seq_max=300)
+    with pytest.raises(OptionsError, match="unknown option 'n_gpu'"):
+        llamacpp(gguf, n_gpu=1)
+    with pytest.raises(ModelNotFoundError, match=r"no GGUF file 'smolm2'.*did you mean 'smollm2'"):
+        resolve_gguf("smolm2")
+    with pytest.raises(ModelNotFoundError, match=r"no \.gguf file in the folder"):
+        resolve_gguf(str(tmp_path))
+    (tmp_path / "a.gguf").write_bytes(b"not a gguf")
+    with pytest.raises(ModelNotFoundError, match=r"no \.gguf file"):
+        resolve_gguf(str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="is not a GGUF file"):
+        resolve_gguf(str(tmp_path / "a.gguf"))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "m.gguf").symlink_to(gguf)
+    assert resolve_gguf(str(tmp_path / "b")) == str(tmp_path / "b" / "m.gguf")
+    assert LlamaCppLM.Options(n_ctx=512).n_ctx == 512
+
+
+def test_a_context_longer_than_the_kv_cache_is_refused_at_once(tiny_gpt2):
+    _, gguf = tiny_gpt2
+    lm = llamacpp(gguf, n_ctx=300)  # llama.cpp rounds up to a multiple of 256
+    assert lm.context_limit == lm.engine.n_ctx == 512
+    with pytest.raises(ValueError, match="limit of 512 positions"):
+        lm.next_token_logprobs_sync(list(range(513)))
+    assert lm.next_token_logprobs_sync(list(range(512))).shape == (lm.vocab_size,)
+    lm.cleanup()
+
+
+def test_logits_do_not_depend_on_what_else_is_in_the_batch(tiny_gpt2):
+    """The same context alone, in a batch of strangers, and continued from a live sequence."""
+    _, gguf = tiny_gpt2
+    lm = llamacpp(gguf, batch_size=16)
+    target = [7, 8, 9, 10, 11]
+    alone = lm.next_token_logprobs_uncached(target)
+    lm.batch_next_token_logprobs_sync([target[:-1]] + [list(np.arange(30) + i) for i in range(10)])
+    lm.cache.clear()
+    crowded = lm.batch_next_token_logprobs_sync([target] + [list(np.arange(31) + i) for i in range(10)])[0]
+    assert lm.sequences.stats.continued >= 1
+    assert (alone - crowded).abs().max().item() < 1e-5
+    lm.cleanup()
