@@ -1,12 +1,15 @@
 """SMC on genlm against the engine's own decode of the same tokens, one run, interleaved.
 
-For each backend (vLLM, HF, MLX) one model is loaded (SmolLM2-135M, float32), then for each case
+For each backend (vLLM, HF, MLX, llama.cpp) one model is loaded (SmolLM2-135M: float32; for llama.cpp
+the shipped Q4_1 GGUF, or ``llamacpp-f32`` for its float32 dequantization), then for each case
 (prompt length, steps T, constrained or not) two things are timed, alternating (engine, ours,
 engine, ours, ...), every cache cleared before each:
 
 - engine: the engine's own batched decode of N continuations of T tokens from the prompt
   (vLLM: ``generate(n=N, max_tokens=T, ignore_eos=True)``; HF: ``model.generate`` with its KV cache;
-  MLX: mlx-lm's batched decode with ``BatchKVCache``, as in ``bench_mlx.py``);
+  MLX: mlx-lm's batched decode with ``BatchKVCache``, as in ``bench_mlx.py``; llama.cpp: the prompt
+  decoded in one sequence, copied to N, then T ``llama_decode`` calls of N tokens through the same
+  bindings, each token the argmax of its row);
 - ours: ``examples/smc.py``'s SMC (N particles, masked proposal, multinomial resampling when ESS
   falls below N/2) for T steps, each particle awaiting its own ``next_token_logprobs``. EOS is
   outside the mask so that every particle runs all T steps: the same N x T tokens as the engine.
@@ -16,7 +19,8 @@ sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count
 prefix cache served, and tokens forks copied from their parent's unfinished block
 (:mod:`genlm_vllm.forks`).
 
-    python benchmarks/bench_smc.py [--backends vllm,hf] [--rounds 3] [--n 32] [--steps 32,64]
+    python benchmarks/bench_smc.py [--backends vllm,hf,llamacpp] [--rounds 3] [--n 32] [--steps 32,64]
+    python benchmarks/bench_smc.py --versus hf,llamacpp   # the same SMC on two backends, interleaved
     bash benchmarks/mlx_openblas.sh benchmarks/bench_smc.py --backends mlx   # MLX with OpenBLAS
 """
 
@@ -49,6 +53,38 @@ def prompt_of(lm: Any, length: int) -> list[int]:
     return ids[:length]
 
 
+def llama_decode(engine: Any, prompt: list[int], n: int, steps: int) -> None:
+    """llama.cpp's own batched decode: the prompt once, copied to ``n`` sequences, then ``steps``
+    decode calls of one token per sequence (the argmax of its row)."""
+    import numpy as np
+
+    from genlm_llamacpp.engine import stream
+
+    engine.decode_stream(*stream([(prompt, 0, 0)]))
+    for seq in range(1, n):
+        engine.copy_sequence(0, seq)
+    last = np.zeros(n, np.int64)
+    for t in range(steps):
+        last = engine.decode_stream(*stream([([int(last[s])], len(prompt) + t, s) for s in range(n)])).argmax(1)
+
+
+def load(backend: str, n: int, extra: dict[str, Any]) -> Any:
+    """SmolLM2-135M on ``backend`` (float32; llama.cpp: the Q4_1 GGUF, or float32 as ``llamacpp-f32``)."""
+    opts: dict[str, Any] = {"batch_size": n, "timeout": 0}
+    if backend in ("hf", "vllm"):
+        opts["dtype"] = "float32"
+    if backend == "vllm":
+        opts["engine_opts"] = {"kv_cache_memory_bytes": 2**30, "seed": 0}
+    if backend.startswith("llamacpp"):
+        model, name = ("smollm2-f32" if backend == "llamacpp-f32" else "smollm2"), "llamacpp"
+    else:
+        model, name = str(smollm2_dir()), backend  # mlx-lm keeps the checkpoint's float32
+    t0 = time.perf_counter()
+    lm = load_model_by_name(model, backend=name, llm_opts={**opts, **extra})
+    print(f"{backend}: loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return lm
+
+
 class Engine:
     """The engine's own decode of N x T tokens from one prompt, and what to reset between runs."""
 
@@ -62,6 +98,8 @@ class Engine:
 
             params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False, seed=0)
             self.lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        elif self.backend.startswith("llamacpp"):
+            llama_decode(self.lm.engine, prompt, n, steps)
         elif self.backend == "mlx":
             from bench_mlx import plain_decode
 
@@ -90,6 +128,9 @@ def counters(lm: Any, backend: str) -> dict[str, int]:
             return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0, "copied": 0}
         s = lm.sessions.stats
         return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached, "copied": s.tokens_copied}
+    if backend.startswith("llamacpp"):
+        q = lm.sequences.stats
+        return {"rows": q.rows, "computed": q.tokens_computed, "cached": 0, "copied": q.tokens_copied}
     return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0, "copied": 0}
 
 
@@ -127,18 +168,14 @@ def main() -> None:
     ap.add_argument("--prompts", default="24,500")
     ap.add_argument("--opts", type=json.loads, default={}, help="more llm_opts, as JSON: '{\"live_sessions\": false}'")
     ap.add_argument("--ess", type=float, default=0.5, help="resample below this ESS / N (0: never)")
+    ap.add_argument("--versus", default="", help="two backends, e.g. hf,llamacpp: the same SMC on each, interleaved")
     args = ap.parse_args()
-    model = str(smollm2_dir())
+    if args.versus:
+        versus(args)
+        return
     rows = []
     for backend in args.backends.split(","):
-        opts: dict[str, Any] = {"batch_size": args.n, "timeout": 0}
-        if backend != "mlx":  # mlx-lm keeps the checkpoint's float32
-            opts["dtype"] = "float32"
-        if backend == "vllm":
-            opts["engine_opts"] = {"kv_cache_memory_bytes": 2**30, "seed": 0}
-        t0 = time.perf_counter()
-        lm = load_model_by_name(model, backend=backend, llm_opts={**opts, **args.opts})
-        print(f"{backend}: loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        lm = load(backend, args.n, args.opts)
         engine = Engine(lm, backend)
         lipogram = token_mask(lm, b"e", None, set())
         everything = torch.ones(len(lm.byte_vocab), dtype=torch.bool)
@@ -175,6 +212,50 @@ def main() -> None:
     resampling = f"resampling below ESS {args.ess} N" if args.ess > 0 else "no resampling"
     rounds = f"{args.rounds} interleaved rounds after a warm-up"
     print(f"\nN={args.n} particles, {resampling}, SmolLM2-135M float32, {rounds}; CPU{blas}.")
+
+
+def versus(args: argparse.Namespace) -> None:
+    """The same SMC program on two backends, loaded side by side and timed alternately."""
+    a, b = args.versus.split(",")
+    lms = {name: load(name, args.n, {}) for name in (a, b)}
+    rows = []
+    for length in (int(x) for x in args.prompts.split(",")):
+        for steps in (int(x) for x in args.steps.split(",")):
+            for constrained in (True, False):
+                times: dict[str, list[float]] = {a: [], b: []}
+                for r in range(args.rounds + 1):
+                    for name, lm in lms.items():
+                        mask = (
+                            token_mask(lm, b"e", None, set())
+                            if constrained
+                            else torch.ones(len(lm.byte_vocab), dtype=bool)
+                        )
+                        lm.clear_cache()
+                        gc.collect()
+                        t0 = time.perf_counter()
+                        asyncio.run(
+                            smc(lm, prompt_of(lm, length), args.n, steps, mask, set(), seed=r, ess_threshold=args.ess)
+                        )
+                        if r:
+                            times[name].append(time.perf_counter() - t0)
+                ratios = [x / y for x, y in zip(times[a], times[b], strict=True)]
+                per_token = {k: statistics.median(v) / (args.n * steps) * 1e3 for k, v in times.items()}
+                rows.append(
+                    [
+                        str(length),
+                        str(steps),
+                        "lipogram" if constrained else "none",
+                        f"{statistics.median(times[a]):.2f} s ({per_token[a]:.2f} ms/token)",
+                        f"{statistics.median(times[b]):.2f} s ({per_token[b]:.2f} ms/token)",
+                        f"{statistics.median(ratios):.2f}x",
+                        f"{min(ratios):.2f}-{max(ratios):.2f}",
+                    ]
+                )
+                print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    print(table(["prompt", "T", "constraint", a, b, f"{a} / {b}", "spread"], rows))
+    print(f"\nN={args.n} particles, SmolLM2-135M ({a} vs {b}), {args.rounds} interleaved rounds after a warm-up; CPU.")
+    for lm in lms.values():
+        lm.cleanup()
 
 
 if __name__ == "__main__":

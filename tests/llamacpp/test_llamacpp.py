@@ -243,3 +243,33 @@ def test_logits_do_not_depend_on_what_else_is_in_the_batch(tiny_gpt2):
     assert lm.sequences.stats.continued >= 1
     assert (alone - crowded).abs().max().item() < 1e-5
     lm.cleanup()
+
+
+def test_the_command_line_lists_loads_and_explains(capsys, monkeypatch, tiny_gpt2):
+    from genlm_core.cli import main
+    from genlm_llamacpp import plugin
+
+    assert main(["backends"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("llamacpp "))
+    assert "genlm-llamacpp" in line and " yes " in line
+    assert main(["options", "llamacpp"]) == 0
+    assert "n_seq_max" in capsys.readouterr().out
+    _, gguf = tiny_gpt2
+    assert main(["logprobs", gguf, "hello world", "-b", "llamacpp", "--top", "3"]) == 0
+    first = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("1 "))
+    lm = llamacpp(gguf)
+    row = lm.next_token_logprobs_sync(lm.tokenizer.encode("hello world"))
+    assert int(first.split()[1]) == int(row.argmax()) and f"{row.max().item():.4f}" in first
+    lm.cleanup()
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert "pip install genlm-llamacpp" in plugin.unavailable_reason()
+
+
+def test_an_untested_llama_cpp_python_release_is_named_at_load(monkeypatch, caplog):
+    from genlm_llamacpp import engine
+
+    engine.check_version()
+    assert not caplog.records
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.3.99")
+    engine.check_version()
+    assert "llama-cpp-python 0.3.99 is not a release genlm-llamacpp is tested with (==0.3.36)" in caplog.text

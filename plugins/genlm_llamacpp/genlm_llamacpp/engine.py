@@ -14,7 +14,7 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 llama_log = logging.getLogger("genlm_llamacpp.llama_cpp")
 
-#: llama-cpp-python releases this module is written and tested against.
-TESTED_VERSIONS = ">=0.3.36,<0.4"
+#: llama-cpp-python releases this module is tested against (pyproject admits later 0.3.x, with a warning).
+TESTED_VERSIONS = "==0.3.36"
 
 #: KV cache element types by name (ggml's type ids).
 CACHE_TYPES = {"f32": 0, "f16": 1, "q8_0": 8, "bf16": 30}
@@ -46,6 +46,7 @@ def bindings() -> Any:
 
     with _init_lock:
         if _log_callback is None:
+            check_version()
 
             def route(level: int, text: bytes, _user: Any) -> None:
                 if level != 5:
@@ -62,6 +63,20 @@ def bindings() -> Any:
             lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
             lib.llama_backend_init()
     return lib
+
+
+def check_version() -> None:
+    """Warn when the installed llama-cpp-python is outside :data:`TESTED_VERSIONS` (its ctypes
+    structs follow llama.cpp's C API, which changes between releases)."""
+    from importlib.metadata import version
+
+    from packaging.specifiers import SpecifierSet
+
+    installed = version("llama-cpp-python")
+    if installed not in SpecifierSet(TESTED_VERSIONS):
+        log.warning(
+            "llama-cpp-python %s is not a release genlm-llamacpp is tested with (%s)", installed, TESTED_VERSIONS
+        )
 
 
 class DecodeError(RuntimeError):
@@ -255,19 +270,26 @@ class LlamaEngine:
         return np.ctypeslib.as_array(pointer, shape=(wanted, self.n_vocab)).copy()
 
     def decode_stream(
-        self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, outputs: np.ndarray
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seqs: np.ndarray,
+        outputs: np.ndarray,
+        make_room: Callable[[], bool] | None = None,
     ) -> np.ndarray:
         """:meth:`decode` for any number of tokens, in calls of at most :attr:`n_batch` (a sequence's
-        tokens may span calls; they run in order)."""
-        rows = [
-            self.decode(
-                tokens[i : i + self.n_batch],
-                positions[i : i + self.n_batch],
-                seqs[i : i + self.n_batch],
-                outputs[i : i + self.n_batch],
-            )
-            for i in range(0, len(tokens), self.n_batch)
-        ]
+        tokens may span calls; they run in order). When the cache has no room, ``make_room()`` may
+        free some (True) and the call is tried again; otherwise :class:`DecodeError` is raised."""
+        rows = []
+        for i in range(0, len(tokens), self.n_batch):
+            part = slice(i, i + self.n_batch)
+            while True:
+                try:
+                    rows.append(self.decode(tokens[part], positions[part], seqs[part], outputs[part]))
+                    break
+                except DecodeError as exc:
+                    if not (exc.no_room and make_room is not None and make_room()):
+                        raise
         return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def close(self) -> None:
@@ -279,8 +301,14 @@ class LlamaEngine:
             self.lib.llama_model_free(self.model)
             self.model = None
 
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the bindings may be gone already
+            pass
 
-def stream(pieces: Sequence[tuple[Sequence[int], int, int]]) -> tuple[np.ndarray, ...]:
+
+def stream(pieces: Sequence[tuple[Sequence[int], int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Lay out ``(tokens, first position, sequence)`` pieces as one token stream whose last token of
     each piece is an output: ``(tokens, positions, seqs, outputs)``."""
     lengths = np.array([len(t) for t, _, _ in pieces], np.int64)

@@ -15,6 +15,22 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def here() -> str:
+    """What llama.cpp was built with on this machine (the ``genlm backends`` line)."""
+    import re
+    from importlib.metadata import version
+
+    from genlm_llamacpp.engine import available_cpus, bindings
+
+    lib = bindings()
+    features = re.findall(r"(\w+) = 1", lib.llama_print_system_info().decode())
+    gpu = "GPU offload (n_gpu_layers)" if lib.llama_supports_gpu_offload() else "no GPU offload"
+    return (
+        f"llama-cpp-python {version('llama-cpp-python')} on {available_cpus()} CPU(s), "
+        f"{', '.join(dict.fromkeys(features)) or 'no SIMD'}; {gpu}"
+    )
+
+
 @hookimpl
 def register_backends(register: Register) -> None:
     register.backend(
@@ -26,4 +42,5 @@ def register_backends(register: Register) -> None:
         description="llama.cpp on any CPU (or its GPU builds): GGUF models, quantized or not; "
         "particles live in llama.cpp sequences, forks by sequence copy.",
         check=unavailable_reason,
+        details="genlm_llamacpp.plugin:here",
     )

@@ -162,34 +162,31 @@ class Sequences:
         return best
 
     def _decode(self, pieces: list[tuple]) -> np.ndarray:
-        """Run the pieces' tokens, removing live sequences (oldest first) while the cache has no room."""
-        tokens, positions, seqs, outputs = stream(pieces)
-        engine, step, rows = self.engine, self.engine.n_batch, []
-        for i in range(0, len(tokens), step):
-            part = slice(i, i + step)
-            while True:
-                try:
-                    rows.append(engine.decode(tokens[part], positions[part], seqs[part], outputs[part]))
-                    break
-                except DecodeError as exc:
-                    if not exc.no_room:
-                        raise
-                    victim = self.live.evict()
-                    if victim is None:
-                        raise NoRoom(str(exc)) from None
-                    self._release(victim)
-                    self.stats.evicted += 1
-        self.stats.tokens_computed += len(tokens)
-        return rows[0] if len(rows) == 1 else np.concatenate(rows)
+        """Run the pieces' tokens, removing live sequences (oldest first) while the cache has no
+        room; NoRoom when none is left to remove."""
+        tokens = stream(pieces)
+        try:
+            logits = self.engine.decode_stream(*tokens, make_room=self._evict_one)
+        except DecodeError as exc:
+            if exc.no_room:
+                raise NoRoom(str(exc)) from None
+            raise
+        self.stats.tokens_computed += len(tokens[0])
+        return logits
+
+    def _evict_one(self) -> bool:
+        """Remove the live sequence kept longest ago; False if none is live."""
+        victim = self.live.evict()
+        if victim is None:
+            return False
+        self._release(victim)
+        self.stats.evicted += 1
+        return True
 
     def _take(self) -> int:
         """A free sequence id, removing the oldest live sequence if none is free."""
-        if not self.free:
-            victim = self.live.evict()
-            if victim is None:
-                raise RuntimeError("every llama.cpp sequence is in use by this batch (n_seq_max < batch size)")
-            self._release(victim)
-            self.stats.evicted += 1
+        if not self.free and not self._evict_one():
+            raise RuntimeError("every llama.cpp sequence is in use by this batch (n_seq_max < batch size)")
         return self.free.pop()
 
     def _release(self, seq: int) -> None:
