@@ -211,7 +211,8 @@ def main() -> None:
     blas = ", mlx with OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else ""
     resampling = f"resampling below ESS {args.ess} N" if args.ess > 0 else "no resampling"
     rounds = f"{args.rounds} interleaved rounds after a warm-up"
-    print(f"\nN={args.n} particles, {resampling}, SmolLM2-135M float32, {rounds}; CPU{blas}.")
+    model = "SmolLM2-135M float32 (llamacpp: the Q4_1 GGUF; llamacpp-f32: its float32 dequantization)"
+    print(f"\nN={args.n} particles, {resampling}, {model}, {rounds}; CPU{blas}.")
 
 
 def versus(args: argparse.Namespace) -> None:
@@ -253,7 +254,8 @@ def versus(args: argparse.Namespace) -> None:
                 )
                 print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
     print(table(["prompt", "T", "constraint", a, b, f"{a} / {b}", "spread"], rows))
-    print(f"\nN={args.n} particles, SmolLM2-135M ({a} vs {b}), {args.rounds} interleaved rounds after a warm-up; CPU.")
+    models = f"SmolLM2-135M ({a} vs {b}; hf float32, llamacpp the Q4_1 GGUF)"
+    print(f"\nN={args.n} particles, {models}, {args.rounds} interleaved rounds after a warm-up; CPU.")
     for lm in lms.values():
         lm.cleanup()
 
