@@ -20,7 +20,7 @@ pip_lines() {
         /^WARNING: Location/ { next }
         /^ *Downloading .*\([0-9.]+ (MB|GB)\)$/ { print; fflush(); next }
         /^ *Building wheel for .*: started$/ { sub(/: started$/, ""); print $0 " (from source)"; built = systime(); fflush(); next }
-        /^ *Created wheel for / { printf "  built in %d s\n", systime() - built; fflush(); next }
+        /^ *Created wheel for / { if (built) printf "  built in %d s\n", systime() - built; built = 0; fflush(); next }
         /^Installing collected packages/ || /^Successfully installed/ || /^(ERROR|WARNING)/ { print; fflush() }'
 }
 # setuptools prints a warning box per editable install ("Editable installation ... be careful with
