@@ -11,7 +11,10 @@ step() { printf '[bootstrap %3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 # installs, builds from source (with how long each build took), and warns about; its other lines (small
 # downloads, packages already there, build steps) are kept out.
 pip_lines() {
-    awk '
+    # mawk reads a pipe in blocks unless interactive: without it, lines would come out minutes late.
+    local interactive=()
+    if awk -W version 2>&1 | grep -q mawk; then interactive=(-W interactive); fi
+    awk "${interactive[@]}" '
         /^Progress [0-9]+ of [0-9]+$/ {
             if ($4 >= 10000000) { pct = int(100 * $2 / $4); if (pct >= last + 25) { printf "      %3d%%\n", pct; last = pct } }
             if ($2 == $4) last = 0
