@@ -8,12 +8,12 @@ start=$(date +%s)
 step() { printf '[bootstrap %3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
 # What pip downloads of 1 MB or more (with its size, and progress for 10 MB or more, a line per quarter),
-# installs, builds from source (with how long each build took), and warns about; its other lines (small
-# downloads, packages already there, build steps) are kept out.
+# installs, builds from source, and warns about; its other lines (small downloads, packages already there,
+# build steps) are kept out.
 pip_lines() {
     # mawk reads a pipe in blocks unless interactive: without it, lines would come out minutes late.
     local interactive=()
-    if awk -W version 2>&1 | grep -q mawk; then interactive=(-W interactive); fi
+    case "$(awk -W version 2>&1 </dev/null)" in *mawk*) interactive=(-W interactive) ;; esac
     awk "${interactive[@]}" '
         /^Progress [0-9]+ of [0-9]+$/ {
             if ($4 >= 10000000) { pct = int(100 * $2 / $4); if (pct >= last + 25) { printf "      %3d%%\n", pct; last = pct } }
@@ -22,8 +22,7 @@ pip_lines() {
         }
         /^WARNING: Location/ { next }
         /^ *Downloading .*\([0-9.]+ (MB|GB)\)$/ { print; fflush(); next }
-        /^ *Building wheel for .*: started$/ { sub(/: started$/, ""); print $0 " (from source)"; built = systime(); fflush(); next }
-        /^ *Created wheel for / { if (built) printf "  built in %d s\n", systime() - built; built = 0; fflush(); next }
+        /^ *Building wheel for .*: started$/ { sub(/: started$/, ""); print $0 " (from source)"; fflush(); next }
         /^Installing collected packages/ || /^Successfully installed/ || /^(ERROR|WARNING)/ { print; fflush() }'
 }
 # setuptools prints a warning box per editable install ("Editable installation ... be careful with
