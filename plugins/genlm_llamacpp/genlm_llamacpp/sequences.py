@@ -10,8 +10,8 @@ particle that went back to an older context, a new prompt after the same system 
 the rest.
 
 Sequences nobody continues stay live, oldest first in line to be removed when a sequence id or
-KV room is needed. When the batch itself does not fit in the KV cache, each row is computed alone
-from its whole context: slower, never wrong.
+KV room is needed. When the batch itself does not fit in the KV cache, its rows are computed one
+at a time (each still continuing or sharing what is live): slower, never wrong.
 """
 
 from __future__ import annotations
