@@ -97,7 +97,7 @@ class Engine:
             from vllm.inputs import TokensPrompt
 
             params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False, seed=0)
-            self.lm.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            self.lm.driver.engine.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         elif self.backend.startswith("llamacpp"):
             llama_decode(self.lm.engine, prompt, n, steps)
         elif self.backend == "mlx":
@@ -124,9 +124,9 @@ class Engine:
 
 def counters(lm: Any, backend: str) -> dict[str, int]:
     if backend == "vllm":
-        if lm.sessions is None:  # live_sessions=False: rows only
+        if lm.driver.sessions is None:  # live_sessions=False: rows only
             return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0, "copied": 0}
-        s = lm.sessions.stats
+        s = lm.driver.sessions.stats
         return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached, "copied": s.tokens_copied}
     if backend.startswith("llamacpp"):
         q = lm.sequences.stats

@@ -90,7 +90,7 @@ def one_replica(lm: Any, prompts: list[list[int]]) -> Callable[[], object]:
     """The whole batch on replica 0 alone (the baseline for replicas=N)."""
     import ray
 
-    return lambda: ray.get(lm.actors[0].logits.remote(prompts, [None] * len(prompts)))
+    return lambda: ray.get(lm.driver.actors[0].logits.remote(prompts, [None] * len(prompts)))
 
 
 def start(mode: str) -> Any:
@@ -122,17 +122,17 @@ def plain_generate(lm: Any, prompts: list[list[int]], **extra: Any) -> Callable[
 
     params = SamplingParams(max_tokens=1, detokenize=False, **extra)
     tokens = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    if not lm.layout.streaming:
-        return lambda: lm.llm.generate(tokens, params, use_tqdm=False)
+    if not lm.driver.streams:
+        return lambda: lm.driver.engine.generate(tokens, params, use_tqdm=False)
 
     async def one(i: int, prompt: Any) -> None:
-        async for _ in lm.llm.generate(prompt, params, f"plain-{time.monotonic_ns()}-{i}"):
+        async for _ in lm.driver.engine.generate(prompt, params, f"plain-{time.monotonic_ns()}-{i}"):
             pass
 
     async def all_of_them() -> None:
         await asyncio.gather(*(one(i, p) for i, p in enumerate(tokens)))
 
-    return lambda: lm.engine_thread.call(all_of_them())
+    return lambda: lm.driver.engine_thread.call(all_of_them())
 
 
 def ours(lm: Any, prompts: list[list[int]]) -> Callable[[], object]:

@@ -17,7 +17,7 @@ import psutil
 
 from genlm_core import ClosedError, load_model_by_name
 from genlm_core.testing.models import tiny_model_dir
-from genlm_vllm.rows import leftover_files
+from genlm_vllm.shm_files import leftover_files
 
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "kv_cache_memory_bytes": 128 * 2**20}
@@ -45,7 +45,7 @@ def test_killed_worker_fails_requests_and_cleanup_leaves_nothing(engine):
     engine_processes = [p for p in me.children(recursive=True) if p.name().startswith("VLLM::")]
     worker = next(p for p in engine_processes if "Worker" in p.name())
     lm.next_token_logprobs_sync([1, 2, 3])
-    assert lm.engine_files is not None and lm.engine_files.created  # vLLM made queues at start
+    assert lm.driver.files is not None and lm.driver.files.created  # vLLM made queues at start
     made = shm_names() - before
     assert any(n.startswith(f"genlm-vllm-{os.getpid()}-") for n in made)
 

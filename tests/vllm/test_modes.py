@@ -19,11 +19,13 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core import load_model_by_name
+from genlm_core.testing import check_lm_contract
 from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
-from genlm_vllm.rows import RpcRows, SharedMemoryRows, leftover_files
+from genlm_vllm.rows import RpcRows, SharedMemoryRows
+from genlm_vllm.shm_files import leftover_files
 
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}  # head_dim 64; 2 heads for TP=2
 ENGINE = {
@@ -94,9 +96,9 @@ def lm(request, path, adapter):
 
 def kept_rows(lm) -> int:
     """Rows waiting on the engine's side: shared-memory slots held, or rows on the writing rank."""
-    if isinstance(lm.rows, SharedMemoryRows):
-        return lm.rows.in_use
-    assert isinstance(lm.rows, RpcRows)
+    if isinstance(lm.driver.rows, SharedMemoryRows):
+        return lm.driver.rows.in_use
+    assert isinstance(lm.driver.rows, RpcRows)
     replies = [r for r in lm.call_workers("genlm_kept_rows") if r is not None]
     assert len(replies) == 1  # exactly one writing rank
     return replies[0]
@@ -105,11 +107,11 @@ def kept_rows(lm) -> int:
 def test_particles_continue_in_the_engine_in_every_llm_layout(lm, hf):
     """A request continues the previous batch's sequence of its parent, under the same adapter only;
     rows match genlm-hf. AsyncLLM streams requests one by one and has no sessions."""
-    if lm.layout.streaming:
-        assert lm.sessions is None
+    if lm.driver.layout.streaming:
+        assert getattr(lm.driver, "sessions", None) is None
         return
     lm.clear_cache()
-    stats = lm.sessions.stats
+    stats = lm.driver.sessions.stats
     before = stats.continued
     contexts = [[21, 22, 23], [21, 22, 24]]
     seen = []
@@ -135,10 +137,10 @@ def test_particles_continue_in_the_engine_in_every_llm_layout(lm, hf):
 def test_forks_copy_their_parents_block_in_every_llm_layout(lm, hf):
     """After resampling, siblings of one live parent copy its unfinished KV block on every rank that
     holds a share of it (TP) or a stage of it (PP), under the parent's adapter; rows match genlm-hf."""
-    if lm.layout.streaming:
+    if lm.driver.layout.streaming:
         return
     lm.clear_cache()
-    stats = lm.sessions.stats
+    stats = lm.driver.sessions.stats
     copied = stats.tokens_copied
     parents = [list(range(50, 90)), list(range(60, 100))]  # 40 tokens: one full block of 32, 8 over
     seen = []
@@ -151,8 +153,18 @@ def test_forks_copy_their_parents_block_in_every_llm_layout(lm, hf):
     assert max((r - w).abs().max().item() for r, w in seen) <= ATOL
 
 
+def test_the_whole_public_surface(lm, hf):
+    """check_lm_contract (rows on every path, output cache, sampling, bad input, cancellation) and the
+    uncached reference row, in this layout."""
+    contexts = [[1], [5, 6, 7], list(range(100, 140))]
+    check_lm_contract(lm, contexts, atol=ATOL)
+    uncached = [lm.next_token_logprobs_uncached(c) for c in contexts]
+    assert max_diff(uncached, [hf.next_token_logprobs_sync(c) for c in contexts]) <= ATOL
+
+
 def test_layout_is_what_was_asked(lm):
-    lay = lm.layout
+    lay = lm.driver.layout
+    assert lm.driver.runner == "v1"  # vLLM's CPU build: the V1 runner, and its capture
     assert lay.capture == ("rpc" if lm.options.capture == "rpc" else "shm")
     assert lay.spawns and (lay.multiprocess or lay.world_size == 2)
 
@@ -188,12 +200,12 @@ def test_300_concurrent_requests_over_100_contexts(lm, hf):
     ]
     order = [i % 100 for i in range(300)]
     order = [order[i] for i in torch.randperm(300, generator=g).tolist()]
-    calls = lm.generate_calls
+    calls = lm.driver.batches
     rows = gather(lm, [contexts[i] for i in order])
     want = hf.batch_next_token_logprobs_sync(contexts)
     assert max_diff(rows, [want[i] for i in order]) <= ATOL
     # equal contexts share one row: one generate of 100 prompts, or 100 streamed requests
-    assert lm.generate_calls - calls == (100 if lm.layout.streaming else 1)
+    assert lm.driver.batches - calls == (100 if lm.driver.layout.streaming else 1)
     assert kept_rows(lm) == 0
 
 
@@ -231,7 +243,7 @@ def test_sample(lm, hf):
 def test_rows_of_failed_or_cancelled_requests_are_freed(lm, hf, monkeypatch):
     lm.clear_cache()
     contexts = [[11, i, i + 1] for i in range(40)]
-    if lm.layout.streaming:
+    if lm.driver.layout.streaming:
 
         async def cancel_half():
             tasks = [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts]
@@ -245,7 +257,9 @@ def test_rows_of_failed_or_cancelled_requests_are_freed(lm, hf, monkeypatch):
         assert len(kept) >= 20  # the uncancelled half, and cancelled ones that had finished
         assert max_diff([r for _, r in kept], [hf.next_token_logprobs_sync(c) for c, _ in kept]) <= ATOL
     else:
-        owner, name = (lm.sessions, "run") if lm.sessions is not None else (lm, "_generate")  # runs the batch
+        owner, name = (
+            (lm.driver.sessions, "run") if lm.driver.sessions is not None else (lm.driver, "generate")
+        )  # runs the batch
         run = getattr(owner, name)
 
         def fails_after_running(*args, **kwargs):
@@ -264,10 +278,10 @@ def test_rows_of_failed_or_cancelled_requests_are_freed(lm, hf, monkeypatch):
 
 def test_exactly_one_rank_writes_rows(lm):
     where = lm.call_workers("genlm_where")
-    assert len(where) == lm.layout.world_size
+    assert len(where) == lm.driver.layout.world_size
     writers = [w for w in where if w["writer"]]
     assert len(writers) == 1
-    assert writers[0]["tp_rank"] == 0 and writers[0]["pp_rank"] == lm.layout.pipeline_parallel - 1
+    assert writers[0]["tp_rank"] == 0 and writers[0]["pp_rank"] == lm.driver.layout.pipeline_parallel - 1
 
 
 def test_the_selftest_passes_and_catches_a_row_that_disagrees_with_vllm(lm, monkeypatch):
@@ -276,7 +290,7 @@ def test_the_selftest_passes_and_catches_a_row_that_disagrees_with_vllm(lm, monk
     contexts = selftest.contexts_for(lm.vocab_size, n=4)
     report = selftest.check(lm, contexts)
     assert report.ok, report.lines()
-    assert report.max_diff_vs_engine <= selftest.TOLERANCE and len(report.workers) == lm.layout.world_size
+    assert report.max_diff_vs_engine <= selftest.TOLERANCE and len(report.workers) == lm.driver.layout.world_size
     engine_top = lm.engine_top_logprobs
 
     def shifted(contexts, k):  # as if the rows had been computed for other weights

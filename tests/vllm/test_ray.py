@@ -23,7 +23,7 @@ if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray is not installed (pip install 'genlm-vllm[ray]')", allow_module_level=True)
 
 from genlm_core import load_model_by_name
-from genlm_core.testing import max_abs_diff
+from genlm_core.testing import check_lm_contract, max_abs_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 from genlm_vllm.replicas import ReplicaError
@@ -124,13 +124,20 @@ def engine(request, cluster, path):
     assert_nothing_left(shm_before)
 
 
+def test_the_whole_public_surface(engine, hf):
+    contexts = [[1], [5, 6, 7], list(range(100, 140))]
+    check_lm_contract(engine, contexts, atol=ATOL)
+    uncached = [engine.next_token_logprobs_uncached(c) for c in contexts]
+    assert max(max_abs_diff(u, hf.next_token_logprobs_sync(c)) for u, c in zip(uncached, contexts)) < ATOL
+
+
 def test_ranks_sit_on_both_nodes_and_talk_over_the_network(engine):
     where = engine.call_workers("genlm_where")
     assert {w["node"] for w in where} == {"127.0.0.2", "127.0.0.3"}
     paths = {w["tp_path"] or w["pp_path"] for w in where}
     assert paths == {"torch.distributed"}  # not vLLM's CPU shared-memory collectives
     assert sum(w["writer"] for w in where) == 1
-    assert engine.layout.capture == "rpc"
+    assert engine.driver.layout.capture == "rpc"
 
 
 def test_rows_match_hf(engine, hf):
@@ -148,7 +155,7 @@ def test_the_selftest_passes_across_the_nodes(engine):
 
 
 def test_a_row_that_never_arrives_is_an_error_naming_the_request(engine, hf):
-    rows = engine.rows
+    rows = engine.driver.rows
     collect = rows.collect
 
     def collect_after_a_stray_fetch(ticket):
@@ -171,21 +178,24 @@ def test_replicas_split_a_batch_keep_lineages_together_and_fail_alone(cluster, p
     shm_before = set(os.listdir("/dev/shm"))
     lm = start(path, {"replicas": 2, "engine_opts": {"enforce_eager": True}})
     try:
-        assert {i["node"] for i in lm.infos} == {"127.0.0.2", "127.0.0.3"}
+        assert {i["node"] for i in lm.driver.infos} == {"127.0.0.2", "127.0.0.3"}
+        check_lm_contract(lm, [[1], [5, 6, 7], list(range(100, 140))], atol=ATOL)
+        assert max_abs_diff(lm.next_token_logprobs_uncached([5, 6, 7]), hf.next_token_logprobs_sync([5, 6, 7])) < ATOL
+        lm.clear_cache()
         parents = [[i, i + 1, i + 2] for i in range(10, 26)]
         rows = asyncio.run(gather(lm, parents))
         for context, row in zip(parents, rows):
             assert max_abs_diff(row, hf.next_token_logprobs_sync(context)) < ATOL
-        placed = [lm.router._known(tuple(c)) for c in parents]
+        placed = [lm.driver.router._known(tuple(c)) for c in parents]
         assert sorted(placed) == [0] * 8 + [1] * 8  # both replicas served, evenly
 
         children = [c + [42] for c in parents]  # the next SMC step goes where its prefix is cached
-        assert lm.router.assign(children) == placed
+        assert lm.driver.router.assign(children) == placed
         rows = asyncio.run(gather(lm, [c + [43] for c in parents]))
         for context, row in zip(parents, rows):
             assert max_abs_diff(row, hf.next_token_logprobs_sync(context + [43])) < ATOL
 
-        ray.kill(lm.actors[1])
+        ray.kill(lm.driver.actors[1])
         results = asyncio.run(gather(lm, [c + [44] for c in parents], return_exceptions=True))
         for where, result in zip(placed, results):
             if where == 1:
@@ -205,6 +215,7 @@ def test_vllm_data_parallel_returns_every_row_from_both_engines(cluster, path, h
     dp = {"data_parallel_size": 2, "data_parallel_backend": "ray", "data_parallel_size_local": 1}
     lm = start(path, {"engine": "async", "engine_opts": {**dp, "enforce_eager": True}})
     try:
+        check_lm_contract(lm, [[1], [5, 6, 7], list(range(100, 140))], atol=ATOL)
         contexts = [[i, i + 7] for i in range(40)]
         rows = asyncio.run(gather(lm, contexts))
         for context, row in zip(contexts, rows):

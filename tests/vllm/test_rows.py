@@ -19,8 +19,10 @@ if importlib.util.find_spec("vllm") is None:
 from genlm_core.errors import OptionsError
 from genlm_vllm import VLLMOptions
 from genlm_vllm.capture import ROWS, SLOT, TAG, WRITING, RowsExtension, Segment
-from genlm_vllm.processes import EngineFiles, engine_env, layout, threads_bind
-from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows, leftover_files
+from genlm_vllm.environment import engine_env, threads_bind
+from genlm_vllm.layout import layout
+from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows
+from genlm_vllm.shm_files import EngineFiles, leftover_files
 
 WIDTH = 10
 
@@ -152,8 +154,8 @@ def test_threads_bind_splits_the_allowed_cores(ranks, cores, want):
 
 
 def test_thread_binding_defaults_and_refuses_a_wrong_count(monkeypatch):
-    monkeypatch.setattr("genlm_vllm.processes.on_cpu_build", lambda: True)
-    monkeypatch.setattr("genlm_vllm.processes.allowed_cores", lambda: [0, 1])
+    monkeypatch.setattr("genlm_vllm.vllm_api.on_cpu_build", lambda: True)
+    monkeypatch.setattr("genlm_vllm.environment.allowed_cores", lambda: [0, 1])
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     tp2 = layout(VLLMOptions(engine_opts={"tensor_parallel_size": 2}))
     assert engine_env(tp2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
@@ -182,6 +184,72 @@ def test_layouts_and_impossible_combinations():
         VLLMOptions(engine_opts={"data_parallel_size": 2})
     with pytest.raises(OptionsError, match="replicas=N runs N LLM engines"):
         VLLMOptions(replicas=2, engine="async")
+
+
+def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere():
+    """The choice (VLLMOptions.async_scheduling): sessions wait for each step's row, so vLLM's async
+    scheduling is off for them and refused if asked for; one-token requests keep vLLM's default."""
+    from genlm_vllm.driver import engine_kwargs
+
+    def kwargs(**options):
+        opts = VLLMOptions(**options)
+        return engine_kwargs("m", opts, layout(opts), "v1")
+
+    for sessions in ({}, {"multiprocess": True}, {"engine_opts": {"tensor_parallel_size": 2}}, {"replicas": 2}):
+        assert kwargs(**sessions)["async_scheduling"] is False, sessions
+    assert "async_scheduling" not in kwargs(engine="async")  # vLLM's default (on, on CUDA)
+    assert "async_scheduling" not in kwargs(live_sessions=False)
+    assert kwargs(engine="async", async_scheduling=False)["async_scheduling"] is False
+    assert kwargs(live_sessions=False, async_scheduling=True)["async_scheduling"] is True
+    for asked in ({"async_scheduling": True}, {"engine_opts": {"async_scheduling": True}}):
+        with pytest.raises(OptionsError, match="cannot run live sessions"):
+            VLLMOptions(**asked)
+
+
+def test_the_capture_follows_the_runner_and_the_runner_is_checked_after_start(monkeypatch):
+    from types import SimpleNamespace
+
+    from genlm_vllm import vllm_api
+    from genlm_vllm.capture import PROCESSORS
+    from genlm_vllm.driver import check_started, engine_kwargs
+
+    opts = VLLMOptions()
+    lay = layout(opts)
+    assert engine_kwargs("m", opts, lay, "v2")["logits_processors"] == ["genlm_vllm.capture:CaptureLogitsV2"]
+    assert engine_kwargs("m", opts, lay, "v1")["logits_processors"] == [PROCESSORS["v1"]]
+    assert engine_env(lay, "v2")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert engine_env(lay, "v1")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    with pytest.raises(ValueError, match="model_runner='v2' needs Triton"):
+        vllm_api.resolve_runner("v2", {})
+    assert vllm_api.resolve_runner("v1", {}) == "v1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert vllm_api.resolve_runner("auto", {}) == "v2"  # a runner the user pinned is followed
+
+    def config(v2: bool, async_scheduling: bool) -> SimpleNamespace:
+        return SimpleNamespace(
+            use_v2_model_runner=v2,
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+            model_config=SimpleNamespace(max_model_len=2048),
+        )
+
+    driver = SimpleNamespace(runner=None, context_limit=None)
+    with pytest.raises(RuntimeError, match=r"started its V2 model runner.*pass model_runner='v2'"):
+        check_started(driver, config(True, False), "v1", sessions=True)
+    with pytest.raises(RuntimeError, match="async scheduling on"):
+        check_started(driver, config(False, True), "v1", sessions=True)
+    check_started(driver, config(True, True), "v2", sessions=False)
+    assert (driver.runner, driver.context_limit) == ("v2", 2047)
+
+
+def test_auto_asks_vllms_own_rule(monkeypatch, tmp_path):
+    """Without a pinned runner, "auto" is what vLLM's configuration decides: V1 on the CPU build (no
+    Triton there for V2)."""
+    from genlm_core.testing.models import tiny_model_dir
+    from genlm_vllm import vllm_api
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    path = str(tiny_model_dir("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
+    assert vllm_api.resolve_runner("auto", {"model": path, "kv_cache_memory_bytes": 2**26}) == "v1"
 
 
 def test_ray_address_reaches_an_engine_core_in_its_own_process(monkeypatch):
@@ -226,7 +294,7 @@ def test_the_replica_router_keeps_lineages_together_and_balances_new_contexts():
 
 
 SCRIPT = """
-from genlm_vllm.processes import check_main_guard
+from genlm_vllm.main_guard import check_main_guard
 
 def start():
     check_main_guard()
@@ -257,7 +325,7 @@ def test_a_script_without_a_main_guard_gets_the_fix_named(tmp_path, body, fails)
 
 
 def test_engine_files_removes_only_orphans_created_during_start(tmp_path, monkeypatch):
-    monkeypatch.setattr("genlm_vllm.processes.SHM_DIR", str(tmp_path))
+    monkeypatch.setattr("genlm_vllm.shm_files.SHM_DIR", str(tmp_path))
     (tmp_path / "before").write_bytes(b"x")
     files = EngineFiles()
     for name in ("psm_orphan", "psm_held", "genlm-vllm-ours"):

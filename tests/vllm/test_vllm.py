@@ -46,12 +46,12 @@ def test_1000_concurrent_requests_300_distinct_prompts(engine, hf):
         torch.randint(0, 5000, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (300,), generator=g)
     ]
     order = torch.randint(0, 300, (1000,), generator=g).tolist()
-    calls = engine.generate_calls
+    calls = engine.driver.batches
     rows = gather(engine, [prompts[i] for i in order])
     reference = {i: hf.next_token_logprobs_sync(prompts[i]) for i in set(order)}
     assert max_diff(rows, [reference[i] for i in order]) <= 1e-3
     # more prompts than max_num_seqs: vLLM split them over many scheduler steps, matched by tag
-    assert engine.generate_calls - calls == 1
+    assert engine.driver.batches - calls == 1
 
 
 def test_prompt_longer_than_max_num_batched_tokens(engine, hf):
@@ -64,9 +64,9 @@ def test_sampling_batched_and_stops_on_eos(engine, hf):
     assert asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[], temperature=0)) == greedy
     stop = greedy[2]
     assert asyncio.run(engine.sample([5, 6], 6, eos_token_ids=[stop], temperature=0)) == greedy[: greedy.index(stop)]
-    calls = engine.generate_calls
+    calls = engine.driver.batches
     outs = asyncio.run(engine.batch_sample([[1], [2, 3], [4, 5, 6]], 4, eos_token_ids=[], seed=0))
-    assert [len(o) for o in outs] == [4, 4, 4] and engine.generate_calls - calls == 1
+    assert [len(o) for o in outs] == [4, 4, 4] and engine.driver.batches - calls == 1
 
 
 def test_missing_vllm_names_both_extras(monkeypatch):
@@ -91,10 +91,10 @@ def test_tiny_temperature_samples_instead_of_crashing(engine):
 def test_context_past_max_model_len_is_refused_before_the_engine(engine):
     """vLLM needs room for the generated token: max_model_len=2048 admits contexts of 2047 tokens."""
     assert engine.context_limit == 2047
-    calls = engine.generate_calls
+    calls = engine.driver.batches
     with pytest.raises(ValueError, match="2048 tokens, more than this model's limit of 2047 positions"):
         engine.next_token_logprobs_sync([1] * 2048)
-    assert engine.generate_calls == calls
+    assert engine.driver.batches == calls
 
 
 def test_cleanup_then_second_engine_in_same_process(engine, path, hf, engine_opts):
@@ -119,7 +119,7 @@ def test_an_engine_collected_after_the_next_one_started_leaves_it_working(path, 
     options = {"dtype": "float32", "max_model_len": 2048, "engine_opts": engine_opts}
     first = load_model_by_name(path, backend="vllm", llm_opts=options)
     first.next_token_logprobs_sync([7, 8])
-    core = first.llm.llm_engine.engine_core
+    core = first.driver.engine.llm_engine.engine_core
     first.cleanup()
     assert not core._finalizer.alive  # shut down now: the garbage collector has nothing left to tear down
     del core

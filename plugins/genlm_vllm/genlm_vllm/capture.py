@@ -1,11 +1,15 @@
-"""Inside the engine: a vLLM V1 logits processor that hands each tagged request's logits back to genlm.
+"""Inside the engine: logits processors that hand each tagged request's logits back to genlm.
+
+One processor per vLLM model runner, since their interfaces differ: :class:`CaptureLogits` for the
+V1 runner (vLLM's CPU build, and CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``) and
+:class:`CaptureLogitsV2` for Model Runner V2 (CUDA's default). :data:`PROCESSORS` names them; the
+engine is started with the one for the runner it will use (:func:`genlm_vllm.vllm_api.resolve_runner`).
 
 This module is imported by whichever process runs the model: the caller's own (in-process engine),
 vLLM's engine-core process, or each tensor/pipeline-parallel worker. Requests are matched by the
 tag in ``SamplingParams.extra_args`` (never by row order), so it does not matter how the scheduler
-splits, orders or chunks them. A row is kept only while its request has produced no token yet;
-with chunked prefill every chunk produces a row and the last one, at the final prompt position, is
-the one that stays.
+splits, orders or chunks them. With chunked prefill every chunk produces a row; the one kept is at
+the context's last position.
 
 Exactly one process writes each row: tensor-parallel rank 0 of the last pipeline stage (with TP
 every rank sees the same all-gathered logits; with PP only the last stage has any). Where the row
@@ -21,11 +25,21 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
+from genlm_vllm.vllm_api import (
+    BatchUpdate,
+    LogitsContext,
+    LogitsProcRequestState,
+    MoveDirectionality,
+    V1LogitsProcessor,
+    V2LogitsProcessor,
+    group_path,
+    parallel_ranks,
+)
 from genlm_vllm.vllm_fixes import apply_cpu_fixes
 
 log = logging.getLogger(__name__)
@@ -53,12 +67,11 @@ def context_fingerprint(token_ids: tuple[int, ...]) -> list[int]:
 
 def is_row_writer() -> bool:
     """Whether this process writes rows: TP rank 0 of the last PP stage (True without parallelism)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
-    except (AssertionError, AttributeError, RuntimeError):  # no process groups: a single process
+    groups = parallel_ranks()
+    if groups is None:  # no process groups: a single process
         return True
+    tp, pp = groups
+    return tp.rank_in_group == 0 and pp.is_last_rank
 
 
 class Segment:
@@ -101,8 +114,23 @@ def _keep(tag: str, row: torch.Tensor) -> None:
             log.warning("genlm-vllm: dropped the uncollected row of request %s", dropped)
 
 
-class CaptureLogits(LogitsProcessor):
-    """Copies the logits of tagged requests; changes nothing."""
+def write_row(args: dict[str, Any], row: torch.Tensor) -> None:
+    """Hand one request's logits row to the caller, where its ``extra_args`` say (slot or tag)."""
+    global ROWS_WRITTEN
+    ROWS_WRITTEN += 1
+    slot = args.get(SLOT)
+    if slot is None:
+        _keep(args[TAG], row.detach().to("cpu", torch.float32, copy=True))
+    else:
+        path, n, width, slot_index, seq = slot
+        _segment(path, n, width).write(slot_index, seq, row.detach())
+
+
+class CaptureLogits(V1LogitsProcessor):
+    """The V1 model runner's processor: copies the logits of tagged requests; changes nothing.
+
+    V1 tells a processor how its batch changed (:class:`BatchUpdate`: requests added, removed,
+    moved); the row kept is the one produced while the request has no output token yet."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         #: batch index -> (extra args, output ids), for tagged requests whose context is the one asked for
@@ -137,18 +165,74 @@ class CaptureLogits(LogitsProcessor):
             self.writer = is_row_writer()
         if not self.writer:
             return logits
-        global ROWS_WRITTEN
         for index, (args, output_ids) in self.slots.items():
             if output_ids or index >= logits.shape[0]:
                 continue
-            ROWS_WRITTEN += 1
-            slot = args.get(SLOT)
-            if slot is None:
-                _keep(args[TAG], logits[index].detach().to("cpu", torch.float32, copy=True))
-            else:
-                path, n, width, slot_index, seq = slot
-                _segment(path, n, width).write(slot_index, seq, logits[index].detach())
+            write_row(args, logits[index])
         return logits
+
+
+@dataclass
+class _Wanted:
+    args: dict[str, Any]
+    position: int  # the row at this position of the sequence (its last prompt token) is the one
+
+
+class CaptureLogitsV2(V2LogitsProcessor):
+    """Model Runner V2's processor: copies the logits of tagged requests; changes nothing.
+
+    V2 gives each request a slot (recycled through a free list) at :meth:`add_request`, and each
+    step's :class:`LogitsContext` maps logits rows to slots and positions. A request's row is the one
+    at its last prefill position (``prefill_len - 1``: earlier chunks of a chunked prefill produce
+    rows too), taken once. Token history lives on the device; the context's hash is checked there."""
+
+    def __init__(self, vllm_config: Any, req_states: LogitsProcRequestState):
+        self.req_states = req_states
+        self.wanted: dict[int, _Wanted] = {}  # slot -> the row this request wants
+        self.writer: bool | None = None
+
+    def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+        args = (sampling_params.extra_args or {}) if sampling_params is not None else {}
+        if TAG not in args:
+            self.wanted.pop(req_idx, None)  # a recycled slot: forget its last occupant
+            return False
+        length = int(self.req_states.prefill_len.np[req_idx])
+        expected = args.get(CONTEXT)
+        if expected is not None and int(expected[0]) != length:
+            log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])
+            self.wanted.pop(req_idx, None)
+            return False
+        self.wanted[req_idx] = _Wanted(args, length - 1)
+        return True
+
+    def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
+        if not self.wanted or not any(int(slot) in self.wanted for slot in ctx.idx_mapping_np):
+            return logits
+        if self.writer is None:
+            self.writer = is_row_writer()
+        slots, positions = ctx.expanded_idx_mapping.tolist(), ctx.pos.tolist()
+        for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
+            want = self.wanted.get(slot)
+            if want is None or position != want.position:
+                continue
+            del self.wanted[slot]  # one row per request
+            if self.writer and self._context_matches(want, slot):
+                write_row(want.args, logits[row])
+        return logits
+
+    def _context_matches(self, want: _Wanted, slot: int) -> bool:
+        expected = want.args.get(CONTEXT)
+        if expected is None:
+            return True
+        tokens = tuple(self.req_states.all_token_ids.gpu[slot, : want.position + 1].tolist())
+        if context_fingerprint(tokens) == list(expected):
+            return True
+        log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", want.args[TAG])
+        return False
+
+
+#: The processor for each model runner, by the name vLLM loads it with in every process.
+PROCESSORS = {"v1": "genlm_vllm.capture:CaptureLogits", "v2": "genlm_vllm.capture:CaptureLogitsV2"}
 
 
 def _context_matches(args: dict[str, Any], prompt: list[int] | None) -> bool:
@@ -195,16 +279,9 @@ class RowsExtension:
         import os
         import socket
 
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        def path(group: Any) -> str:
-            communicator = getattr(group, "device_communicator", None)
-            if type(communicator).__name__ != "CpuCommunicator":
-                return type(communicator).__name__
-            shm = type(getattr(communicator, "dist_module", None)).__name__ == "_CPUSHMDistributed"
-            return "shm" if shm else "torch.distributed"
-
-        tp, pp = get_tp_group(), get_pp_group()
+        groups = parallel_ranks()
+        assert groups is not None, "genlm_where runs in vLLM's workers"
+        tp, pp = groups
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -213,8 +290,8 @@ class RowsExtension:
             "pp_rank": pp.rank_in_group,
             "writer": is_row_writer(),
             "rows_written": ROWS_WRITTEN,
-            "tp_path": path(tp) if tp.world_size > 1 else None,
-            "pp_path": path(pp) if pp.world_size > 1 else None,
+            "tp_path": group_path(tp) if tp.world_size > 1 else None,
+            "pp_path": group_path(pp) if pp.world_size > 1 else None,
         }
 
 

@@ -26,25 +26,19 @@ workers run (the engine-core process, each TP/PP or Ray worker).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vllm.config import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+from genlm_vllm.vllm_api import (
+    KVCacheBlockCopy,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVTransferConfig,
     SupportsHMA,
+    connector_block_ids,
+    connector_metadata,
+    copy_kv_blocks,
 )
-from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
-
-if TYPE_CHECKING:
-    import torch
-    from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 FORK = "genlm_fork"  #: extra_args key: the request id of the live sequence whose context this one extends
 CONNECTOR = "ForkConnector"
@@ -77,33 +71,33 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
     hybrid or sliding-window models (vLLM would otherwise turn that manager off); on those, with
     several KV cache groups, it loads nothing and forks use the prefix cache alone."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
         # One KV cache group (plain attention): hybrid models keep prefix caching only.
         self.enabled = len(kv_cache_config.kv_cache_groups) == 1
-        self._requests: dict[str, Request] = {}  # every request in the scheduler, by id (scheduler side)
+        self._requests: dict[str, Any] = {}  # every request in the scheduler, by id (scheduler side)
         self._planned: dict[str, _Planned] = {}
         self._copies: list[KVCacheBlockCopy] = []
-        self._kv_caches: list[torch.Tensor] = []  # worker side
+        self._kv_caches: list[Any] = []  # worker side
 
     # ---- scheduler side ----
 
-    def on_new_request(self, request: Request) -> None:
+    def on_new_request(self, request: Any) -> None:
         self._requests[request.request_id] = request
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
         return False, None  # nothing held: vLLM frees the blocks now
 
     def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
+        self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, [])
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._planned.pop(request.request_id, None)
         args = request.sampling_params.extra_args if request.sampling_params is not None else None
         parent_id = args.get(FORK) if args else None
@@ -122,39 +116,36 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
         self._planned[request.request_id] = _Planned(parent_id, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         plan = self._planned.pop(request.request_id, None)
         if plan is None or num_external_tokens == 0:
             return
-        assert self._kv_cache_manager is not None
         assert plan.end - plan.start == num_external_tokens
         first, last = plan.start // self.block_size, (plan.end - 1) // self.block_size
-        (parent_blocks,) = self._kv_cache_manager.get_block_ids(plan.parent)
+        (parent_blocks,) = connector_block_ids(self, plan.parent)
         (child_blocks,) = blocks.get_block_ids()
         # Preemption frees blocks only before new requests are scheduled, and then none is.
         assert len(parent_blocks) > last and len(child_blocks) > last, "fork: a block is missing"
         self._copies.extend(KVCacheBlockCopy(parent_blocks[i], child_blocks[i]) for i in range(first, last + 1))
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._copies = ForkCopies(self._copies), []
         return meta
 
     # ---- worker side ----
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._kv_caches = list(kv_caches.values())
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = connector_metadata(self)
         if isinstance(meta, ForkCopies) and meta.copies:
-            from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
-
-            copy_kv_cache_blocks_inplace(self._kv_caches, self.num_blocks, meta.copies)
+            copy_kv_blocks(self._kv_caches, self.num_blocks, meta.copies)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return
 
     def wait_for_save(self) -> None:

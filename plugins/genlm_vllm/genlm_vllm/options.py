@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveInt, model_validator
 
 from genlm_core.config import BackendOptions
-from genlm_vllm.processes import layout
+from genlm_vllm.layout import layout
 
 
 class VLLMOptions(BackendOptions):
@@ -66,9 +66,34 @@ class VLLMOptions(BackendOptions):
         "behind one client: a batch is split across them, and a particle's next request goes where its context "
         "was computed so that vLLM's prefix cache keeps working.",
     )
+    model_runner: Literal["auto", "v1", "v2"] = Field(
+        "auto",
+        description="vLLM's model runner, and with it the capture processor genlm plugs in (the two runners' "
+        "logits-processor interfaces differ). 'auto': the one vLLM picks (Model Runner V2 on CUDA unless "
+        "VLLM_USE_V2_MODEL_RUNNER=0 or the engine uses a feature V2 lacks; V1 on vLLM's CPU build, which has no "
+        "Triton). 'v1' / 'v2' set VLLM_USE_V2_MODEL_RUNNER for the engine's processes. Every layout runs on both.",
+    )
+    async_scheduling: bool | None = Field(
+        None,
+        description="vLLM's async scheduling (it schedules step N+1 while step N runs). None: off for live "
+        "sessions (engine='llm' with live_sessions): a session's next chunk exists only once the program has read "
+        "this step's row, so there is no step to overlap, and vLLM's scheduling ahead of outputs has not been "
+        "verified with parked sessions and fork copies (vLLM's CPU build always turns it off); vLLM's default "
+        "otherwise (on, on CUDA: AsyncLLM and plain generate send one-token requests, which vLLM never schedules "
+        "past their last token). True is refused with live sessions.",
+    )
     engine_opts: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM.")
 
     @model_validator(mode="after")
     def _possible_layout(self) -> VLLMOptions:
-        layout(self)  # raises ValueError for a combination no engine can run
+        lay = layout(self)  # raises ValueError for a combination no engine can run
+        if self.sessions_in(lay) and (self.async_scheduling or self.engine_opts.get("async_scheduling")):
+            raise ValueError(
+                "async_scheduling=True cannot run live sessions (they wait for each step's row before the next "
+                "chunk exists): set live_sessions=False, or engine='async'"
+            )
         return self
+
+    def sessions_in(self, lay: Any) -> bool:
+        """Whether an engine laid out as ``lay`` keeps particles alive as vLLM sessions."""
+        return self.live_sessions and not lay.streaming

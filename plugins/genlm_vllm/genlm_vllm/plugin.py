@@ -22,7 +22,7 @@ def register_backends(register: Register) -> None:
         "genlm_vllm.lm:AsyncVirtualLM.from_options",
         resolve_name="genlm_core.hub:resolve_model",
         options=VLLMOptions,
-        description="vLLM V1 engine (CUDA, or its CPU build); logits captured inside the engine.",
+        description="vLLM (CUDA with either model runner, or its CPU build); logits captured inside the engine.",
         check=unavailable_reason,
-        details="genlm_vllm.processes:modes_here",
+        details="genlm_vllm.layout:modes_here",
     )

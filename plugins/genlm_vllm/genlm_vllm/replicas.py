@@ -1,18 +1,19 @@
 """``replicas=N``: N independent engines as Ray actors behind one client (data parallel).
 
-A request flows: the client's batcher -> :meth:`ReplicatedLM.compute_rows` -> :class:`PrefixRouter`
-picks a replica per request -> each replica's share goes to its :class:`ReplicaEngine` actor at once
--> rows come back as raw float32 bytes and are finished (normalised, cached) here. A replica that
-fails fails only its own requests, and the error names it; new contexts then go to the others.
+A request flows: the client's batcher -> :meth:`ReplicaDriver.logits` -> :class:`PrefixRouter` picks
+a replica per request -> each replica's share goes to its :class:`ReplicaEngine` actor (an
+:class:`~genlm_vllm.llm_driver.LLMDriver` inside) at once -> rows come back as raw float32 bytes. A
+replica that fails fails only its own requests, and the error names it; new contexts then go to the
+others.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -20,9 +21,9 @@ import torch
 from genlm_core.batching import Failed
 from genlm_core.lineage import nearest_prefix
 from genlm_core.lm import Request
-from genlm_vllm.lm import AsyncVirtualLM
+from genlm_vllm.driver import EngineDriver, start_driver
+from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.processes import layout
 
 log = logging.getLogger("genlm_vllm")
 
@@ -80,17 +81,34 @@ class ReplicaEngine:
     """One replica, inside a Ray actor: an engine started from the client's options (``replicas=1``)."""
 
     def __init__(self, model: str, options: dict[str, Any]):
-        self.lm = AsyncVirtualLM.from_options(model, VLLMOptions(**{**options, "replicas": 1}))
+        self.driver = start_driver(model, VLLMOptions(**{**options, "replicas": 1}))
 
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(), "max_model_len": self.lm.context_limit}
+        return {
+            "node": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "context_limit": self.driver.context_limit,
+            "runner": self.driver.runner,
+        }
+
+    @staticmethod
+    def _requests(contexts: list[list[int]], adapters: list[str | None]) -> list[Request]:
+        return [Request(tuple(c), a) for c, a in zip(contexts, adapters, strict=True)]
+
+    @staticmethod
+    def _raw(rows: Any) -> tuple[int, bytes]:
+        out = torch.stack(list(rows)).to(torch.float32).contiguous()
+        return out.shape[1], out.numpy().tobytes()
 
     def logits(self, contexts: list[list[int]], adapters: list[str | None]) -> tuple[int, bytes]:
-        out = self.lm.forward_batch([Request(tuple(c), a) for c, a in zip(contexts, adapters, strict=True)])
-        out = out.to(torch.float32).contiguous()
-        return out.shape[1], out.numpy().tobytes()
+        with self.driver.lock:
+            return self._raw(self.driver.logits(self._requests(contexts, adapters)))
+
+    def uncached_logits(self, context: list[int], adapter: str | None) -> tuple[int, bytes]:
+        with self.driver.lock:
+            return self._raw([self.driver.uncached_logits(Request(tuple(context), adapter))])
 
     def sample(
         self,
@@ -101,25 +119,28 @@ class ReplicaEngine:
         seed: int | None,
         adapter: str | None,
     ) -> list[int]:
-        return self.lm._sample_batch([(Request(tuple(context), adapter), max_tokens, eos, temperature, seed)])[0]
+        request = Request(tuple(context), adapter)
+        return asyncio.run(self.driver.sample(request, max_tokens, tuple(eos), temperature, seed))
 
-    def load_lora(self, path: str, name: str) -> None:
-        self.lm.load_lora(path, name)
-
-    def engine_top_logprobs(self, contexts: list[list[int]], k: int) -> list[dict[int, float]]:
-        return self.lm.engine_top_logprobs(contexts, k)
+    def load_lora(self, name: str, path: str) -> None:
+        self.driver.load_lora(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.lm.remove_lora(name)
+        with self.driver.lock:
+            self.driver.remove_lora(name)
 
-    def clear_cache(self) -> None:
-        self.lm.clear_backend_cache()
+    def top_logprobs(self, contexts: list[list[int]], k: int) -> list[dict[int, float]]:
+        return self.driver.top_logprobs(contexts, k)
+
+    def reset_prefix_cache(self) -> None:
+        with self.driver.lock:
+            self.driver.reset_prefix_cache()
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return self.lm.call_workers(method, *args)
+        return self.driver.call_workers(method, *args)
 
     def close(self) -> None:
-        self.lm.cleanup()
+        self.driver.close()
 
 
 def wait_for_replicas(actors: list[Any], every: float = 30.0) -> list[dict[str, Any]]:
@@ -143,25 +164,22 @@ def wait_for_replicas(actors: list[Any], every: float = 30.0) -> list[dict[str, 
         )
 
 
-class ReplicatedLM(AsyncVirtualLM):
-    """``replicas=N`` engines (Ray actors) behind one client; same API as :class:`AsyncVirtualLM`."""
+class ReplicaDriver(EngineDriver):
+    """``replicas=N`` engines (Ray actors) behind one driver."""
 
-    def __init__(self, actors: list[Any], infos: list[dict[str, Any]], tokenizer: Any, options: VLLMOptions):
-        config = SimpleNamespace(
-            max_model_len=None if infos[0]["max_model_len"] is None else infos[0]["max_model_len"] + 1
-        )
-        super().__init__(SimpleNamespace(model_config=config), tokenizer, options, engine_layout=layout(options))
+    def __init__(self, actors: list[Any], infos: list[dict[str, Any]], lay: Layout):
+        super().__init__(lay)
         self.actors = actors
         self.infos = infos
         self.router = PrefixRouter(len(actors))
+        self.context_limit = infos[0]["context_limit"]
+        self.runner = infos[0]["runner"]
 
     @classmethod
-    def start(cls, model: str, options: VLLMOptions) -> ReplicatedLM:
+    def start(cls, model: str, options: VLLMOptions, lay: Layout) -> ReplicaDriver:
         """Start ``options.replicas`` engine actors on the Ray cluster (joined or started here)."""
         import ray
-        from transformers import AutoTokenizer
 
-        lay = layout(options)
         if not ray.is_initialized():
             ray.init(address=lay.ray_address)  # None: Ray's RAY_ADDRESS, else a local instance
         in_actor = lay.world_size == 1  # a TP/PP replica's own Ray workers claim the devices
@@ -178,19 +196,26 @@ class ReplicatedLM(AsyncVirtualLM):
                 ray.kill(actor)
             raise
         log.info("vLLM replicas on %s", ", ".join(f"{i['node']} (pid {i['pid']})" for i in infos))
-        return cls(actors, infos, AutoTokenizer.from_pretrained(model), options)
+        return cls(actors, infos, lay)
 
     @property
-    def replica_count(self) -> int:
+    def engine_count(self) -> int:
         return len(self.infos)
 
     def _name(self, replica: int) -> str:
         info = self.infos[replica]
         return f"replica {replica} of {len(self.actors)} (node {info['node']}, pid {info['pid']})"
 
-    # ---- rows -----------------------------------------------------------------------------------
+    def _error(self, replica: int, exc: BaseException) -> ReplicaError:
+        import ray
 
-    def compute_rows(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
+        if isinstance(exc, ray.exceptions.RayActorError):
+            self.router.dead.add(replica)
+        return ReplicaError(f"{self._name(replica)} failed: {type(exc).__name__}: {exc}")
+
+    # ---- rows ---------------------------------------------------------------------------------
+
+    def logits(self, requests: Sequence[Request]) -> list[torch.Tensor | Failed]:
         import ray
 
         chosen = self.router.assign([r.token_ids for r in requests])
@@ -203,35 +228,31 @@ class ReplicatedLM(AsyncVirtualLM):
             )
             for replica, idx in shares.items()
         }
-        self.generate_calls += 1
+        self.batches += 1
         out: list[torch.Tensor | Failed] = [Failed(RuntimeError("unreached"))] * len(requests)
         for replica, idx in shares.items():
-            mine = [requests[i] for i in idx]
             try:
                 width, data = ray.get(pending[replica])
-                logits = torch.frombuffer(bytearray(data), dtype=torch.float32).view(len(idx), width)
-                rows = self.finish_rows(mine, logits)
+                rows: list[torch.Tensor | Failed] = list(_rows(width, data, len(idx)))
             except Exception as exc:
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    self.router.dead.add(replica)
-                error = ReplicaError(f"{self._name(replica)} failed: {type(exc).__name__}: {exc}")
-                rows = [Failed(error)] * len(idx)
+                rows = [Failed(self._error(replica, exc))] * len(idx)
             for i, row in zip(idx, rows, strict=True):
                 out[i] = row
         return out
 
-    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
-        raise NotImplementedError("ReplicatedLM computes rows in compute_rows, per replica")
+    def uncached_logits(self, request: Request) -> torch.Tensor:
+        import ray
 
-    def forward_uncached(self, request: Request) -> torch.Tensor:
-        row = self.compute_rows([request])[0]
-        if isinstance(row, Failed):
-            raise row.error
-        return row
+        replica = self.router.assign([request.token_ids])[0]
+        try:
+            width, data = ray.get(self.actors[replica].uncached_logits.remote(list(request.token_ids), request.adapter))
+        except Exception as exc:
+            raise self._error(replica, exc) from exc
+        return _rows(width, data, 1)[0]
 
-    # ---- sampling -------------------------------------------------------------------------------
+    # ---- sampling and the rest ----------------------------------------------------------------
 
-    async def sample_request(
+    async def sample(
         self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
     ) -> list[int]:
         replica = self.router.assign([request.token_ids])[0]
@@ -241,41 +262,37 @@ class ReplicatedLM(AsyncVirtualLM):
         try:
             return await ref
         except Exception as exc:
-            raise ReplicaError(f"{self._name(replica)} failed: {type(exc).__name__}: {exc}") from exc
-
-    # ---- engines --------------------------------------------------------------------------------
+            raise self._error(replica, exc) from exc
 
     def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
         import ray
 
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
 
-    def load_lora(self, path: str, name: str = "lora_1") -> None:
-        super().load_lora(path, name)
-        self._on_every_replica("load_lora", path, name)
-
-    def unload_lora(self, name: str) -> None:
-        self._on_every_replica("remove_lora", name)
-
-    def clear_backend_cache(self) -> None:
-        self._on_every_replica("clear_cache")
-
-    def engine_top_logprobs(self, contexts: Sequence[Sequence[int]], k: int = 20) -> list[dict[int, float]]:
-        """vLLM's own ``logprobs=k``, each context on the replica the router picks for it."""
+    def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
+        """Each context on the replica the router picks for it."""
         import ray
 
         chosen = self.router.assign(contexts)
-        refs = [self.actors[r].engine_top_logprobs.remote([list(c)], k) for c, r in zip(contexts, chosen)]
+        refs = [self.actors[r].top_logprobs.remote([list(c)], k) for c, r in zip(contexts, chosen)]
         return [reply[0] for reply in ray.get(refs)]
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         """Every replica's workers' replies, replica by replica."""
         return [reply for replies in self._on_every_replica("call_workers", method, *args) for reply in replies]
 
-    def close_backend(self) -> None:
+    def load_lora(self, name: str, path: str) -> None:
+        self._on_every_replica("load_lora", name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._on_every_replica("remove_lora", name)
+
+    def reset_prefix_cache(self) -> None:
+        self._on_every_replica("reset_prefix_cache")
+
+    def shutdown(self) -> None:
         import ray
 
-        self.sampler.close()
         for replica, actor in enumerate(self.actors):
             try:
                 ray.get(actor.close.remote(), timeout=60)
@@ -283,4 +300,7 @@ class ReplicatedLM(AsyncVirtualLM):
                 log.info("%s: close: %s: %s", self._name(replica), type(exc).__name__, exc)
             ray.kill(actor)
         self.actors = []
-        self.llm = None
+
+
+def _rows(width: int, data: bytes, n: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).view(n, width)

@@ -30,11 +30,10 @@ from typing import Any
 import torch
 
 from genlm_vllm.capture import ROWS, ROWS_LOCK, SLOT, TAG, Segment
-from genlm_vllm.processes import SHM_DIR
+from genlm_vllm.layout import Layout
+from genlm_vllm.shm_files import FILE_PREFIX, SHM_DIR, remove_files, remove_files_of_dead_processes
 
 log = logging.getLogger(__name__)
-
-FILE_PREFIX = "genlm-vllm-"  #: every shared-memory file of ours starts with this
 
 
 @dataclass
@@ -94,14 +93,6 @@ class LocalRows(RowChannel):
                 ROWS.pop(tag, None)
 
 
-def _remove_files(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
 class SharedMemoryRows(RowChannel):
     """Slots in ``/dev/shm`` files owned by this process; the engine's writing rank fills them.
 
@@ -123,7 +114,7 @@ class SharedMemoryRows(RowChannel):
         self.retired = 0  #: slots never handed out again (their request may still be running)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
-        self._remove = weakref.finalize(self, _remove_files, self.paths)  # also runs at interpreter exit
+        self._remove = weakref.finalize(self, remove_files, self.paths)  # also runs at interpreter exit
         remove_files_of_dead_processes(directory)
 
     def _grow(self) -> None:
@@ -233,29 +224,17 @@ class RpcRows(RowChannel):
         self.pop = self.pop_async = None  # they hold the engine (and, with Ray, its mapped queues)
 
 
-def leftover_files(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
-    """Shared-memory files of genlm-vllm that still exist: those made by process ``pid``, or by any."""
-    prefix = FILE_PREFIX if pid is None else f"{FILE_PREFIX}{pid}-"
-    try:
-        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix))
-    except FileNotFoundError:
-        return []
-
-
-def remove_files_of_dead_processes(directory: str = SHM_DIR) -> list[str]:
-    """Remove our files whose creating process is gone (killed before it could clean up)."""
-    removed = []
-    for path in leftover_files(directory=directory):
-        pid = os.path.basename(path)[len(FILE_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            _remove_files([path])
-            removed.append(path)
-        except PermissionError:  # alive, someone else's
-            pass
-    if removed:
-        log.info("genlm-vllm: removed %d shared-memory files of processes that are gone", len(removed))
-    return removed
+def open_channel(
+    lay: Layout,
+    width: int,
+    pop: PopRows | None = None,
+    pop_async: Callable[..., Awaitable[list[Any]]] | None = None,
+) -> RowChannel:
+    """The channel that reaches where an engine laid out as ``lay`` runs its model (the one place a
+    channel is chosen). ``width``: the logits row's length; ``pop``/``pop_async``: the engine's
+    ``collective_rpc("genlm_pop_rows", ...)``, for rows on other hosts."""
+    if lay.capture == "local":
+        return LocalRows()
+    if lay.capture == "shm":
+        return SharedMemoryRows(width)
+    return RpcRows(pop, pop_async)

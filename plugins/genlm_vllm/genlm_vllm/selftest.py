@@ -7,6 +7,15 @@ It starts the engine, asks every worker where it runs (node, ranks, how its grou
 writes rows), computes full-vocabulary rows for a few contexts in one batch and one at a time, and
 compares each row's top tokens with vLLM's own ``logprobs=k`` from the engine's sampler (a path
 that does not go through our capture). Exit status 0 when every check passes.
+
+    python -m genlm_vllm.selftest MODEL --suite [--runners v1,v2]
+
+runs the whole suite on a float32 HF folder (on a GPU: both model runners), one engine at a time:
+the checks above; rows against genlm-hf on the same weights (within 1e-4) with ``engine="llm"`` and
+with ``engine="async"`` (vLLM's async scheduling as configured); an SMC with resampling whose rows
+(sessions continued in the engine, forks copying their parent's block) equal the uncached reference;
+LoRA per request against genlm-hf with the same adapter; TP=2 when two GPUs are present; and the SMC's
+time against vLLM's own decode of the same number of tokens. It prints one table.
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ def check(lm: Any, contexts: list[list[int]] | None = None, k: int = 20) -> Repo
     contexts = contexts or contexts_for(lm.vocab_size)
     report.workers = lm.call_workers("genlm_where")
     writers = sum(bool(w.get("writer")) for w in report.workers)
-    engines = max(1, lm.layout.data_parallel) * getattr(lm, "replica_count", 1)
+    engines = lm.driver.engine_count
     if writers != engines:
         report.problems.append(f"{writers} workers write rows; want exactly one per engine ({engines})")
 
@@ -90,13 +99,150 @@ def check(lm: Any, contexts: list[list[int]] | None = None, k: int = 20) -> Repo
     return report
 
 
+#: Largest difference allowed between our rows and genlm-hf's on the same float32 weights, and
+#: between a session's row and the uncached reference.
+EXACT = 1e-4
+
+
+@dataclass
+class Line:
+    """One check of the suite."""
+
+    engine: str
+    check: str
+    value: str
+    ok: bool
+    detail: str = ""
+
+
+def _adapter(model: str, out: str) -> str:
+    """A random LoRA adapter for ``model`` (B not zero, so it really changes the model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
+    return out
+
+
+async def particles(lm: Any, prompt: list[int], n: int, steps: int, seed: int = 0) -> list[tuple[list[int], Any]]:
+    """A particle program: ``n`` particles extend ``prompt`` by sampling their rows; every 4th step
+    they are resampled (uniformly: forks of live sessions). Returns every (context, row) it saw."""
+    gen = torch.Generator().manual_seed(seed)
+    live = [list(prompt) for _ in range(n)]
+    seen = []
+    for step in range(steps):
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in live))
+        tokens = torch.multinomial(torch.stack(rows).exp(), 1, generator=gen).flatten().tolist()
+        seen += [(list(c), r) for c, r in zip(live, rows, strict=True)]
+        live = [[*c, t] for c, t in zip(live, tokens, strict=True)]
+        if step % 4 == 3:
+            live = [list(live[i]) for i in torch.randint(n, (n,), generator=gen).tolist()]
+    return seen
+
+
+def _diff(rows: list[Any], others: list[Any]) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(rows, others, strict=True))
+
+
+def suite(
+    model: str,
+    runners: list[str],
+    options: dict[str, Any] | None = None,
+    n: int = 32,
+    steps: int = 32,
+    streaming: bool = True,
+) -> list[Line]:
+    """Run the whole suite on a float32 HF folder ``model``; one :class:`Line` per check
+    (``streaming=False``: without the AsyncLLM engines)."""
+    import tempfile
+    import time
+
+    from genlm_core import load_model_by_name
+    from genlm_hf import AsyncTransformer
+    from genlm_vllm.vllm_api import decode
+
+    base: dict[str, Any] = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 8, **(options or {})}
+    lines: list[Line] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = _adapter(model, tmp)
+        hf = AsyncTransformer.from_name(model, batch_size=64)
+        hf.load_lora(adapter, "a")
+        contexts = contexts_for(hf.vocab_size, n=6)
+        prompt = contexts[-1][:24]
+        want = [hf.next_token_logprobs_sync(c) for c in contexts]
+        want_lora = [hf.next_token_logprobs_sync(c, lora_name="a") for c in contexts]
+        layouts: list[tuple[str, dict[str, Any]]] = [(r, {"model_runner": r}) for r in runners]
+        if streaming:
+            layouts += [(f"{r} async", {"model_runner": r, "engine": "async"}) for r in runners]
+        if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+            layouts += [(f"{r} TP=2", {"model_runner": r, "engine_opts": {"tensor_parallel_size": 2}}) for r in runners]
+        for name, extra in layouts:
+            engine_opts: dict[str, Any] = {**base.get("engine_opts", {}), **extra.get("engine_opts", {})}
+            lm: Any = load_model_by_name(model, backend="vllm", llm_opts={**base, **extra, "engine_opts": engine_opts})
+            try:
+                facts = lm.driver.runner
+                lines.append(Line(name, "model runner", str(facts).upper(), facts == extra["model_runner"]))
+                report = check(lm)
+                lines.append(Line(name, "vs vLLM's logprobs", f"{report.max_diff_vs_engine:.1e}", report.ok))
+                lm.load_lora(adapter, "a")
+                lm.clear_cache()
+                batch = asyncio.run(lm.batch_next_token_logprobs(contexts))
+                diff = _diff(list(batch), want)
+                lines.append(Line(name, "rows vs genlm-hf", f"{diff:.1e}", diff <= EXACT))
+                got = [lm.next_token_logprobs_sync(c, lora_name="a") for c in contexts]
+                diff = _diff(got, want_lora)
+                lines.append(Line(name, "LoRA rows vs genlm-hf", f"{diff:.1e}", diff <= EXACT))
+                if lm.driver.streams or extra.get("engine_opts"):
+                    continue
+                lm.clear_cache()
+                seen = asyncio.run(particles(lm, prompt, n, steps))
+                stats = lm.driver.sessions.stats if lm.driver.sessions is not None else None
+                sample = [seen[i] for i in torch.randperm(len(seen))[:24].tolist()]
+                diff = _diff([r for _, r in sample], [lm.next_token_logprobs_uncached(c) for c, _ in sample])
+                detail = (
+                    "" if stats is None else f"{stats.continued}/{stats.rows} continued, {stats.tokens_copied} copied"
+                )
+                lines.append(Line(name, "SMC rows vs uncached", f"{diff:.1e}", diff <= EXACT, detail))
+                times = []
+                for _ in range(3):
+                    lm.clear_cache()
+                    t0 = time.perf_counter()
+                    decode(lm.driver.engine, prompt, n, steps)
+                    t1 = time.perf_counter()
+                    asyncio.run(particles(lm, prompt, n, steps))
+                    times.append((time.perf_counter() - t1) / (t1 - t0))
+                ratio = sorted(times)[1]
+                lines.append(Line(name, "SMC time / vLLM decode", f"{ratio:.2f}x", True, f"N={n}, T={steps}"))
+            finally:
+                lm.cleanup()
+        hf.cleanup()
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="model name or path, as for vLLM")
     parser.add_argument("--options", default="{}", help="VLLMOptions as JSON (engine_opts, replicas, ray_address, ...)")
+    parser.add_argument("--suite", action="store_true", help="the whole suite (a float32 HF folder; needs genlm-hf)")
+    parser.add_argument("--runners", default=None, help="model runners for --suite (default: v1,v2 on CUDA, else v1)")
+    parser.add_argument("--no-async", action="store_true", help="--suite without the AsyncLLM engines")
+    parser.add_argument("--particles", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args(argv)
     from genlm_core import load_model_by_name
 
+    if args.suite:
+        runners = (args.runners or ("v1,v2" if torch.cuda.is_available() else "v1")).split(",")
+        lines = suite(args.model, runners, json.loads(args.options), args.particles, args.steps, not args.no_async)
+        from genlm_core.cli import table
+
+        print(f"vLLM {_version()}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+        rows = [[x.engine, x.check, x.value, "ok" if x.ok else "FAILED", x.detail] for x in lines]
+        print(table(["engine", "check", "value", "", "detail"], rows))
+        return 0 if all(x.ok for x in lines) else 1
     lm = load_model_by_name(args.model, backend="vllm", llm_opts=json.loads(args.options))
     try:
         report = check(lm)
@@ -104,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         lm.cleanup()
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
+
+
+def _version() -> str:
+    from genlm_vllm.vllm_api import distribution, version
+
+    return f"{distribution()} {version()}"
 
 
 if __name__ == "__main__":

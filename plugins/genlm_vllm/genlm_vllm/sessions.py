@@ -30,13 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
-
 from genlm_core import Request
 from genlm_core.lineage import Continuation, LiveContexts
 from genlm_vllm.capture import CONTEXT, context_fingerprint
 from genlm_vllm.forks import CONNECTOR, FORK
+from genlm_vllm.vllm_api import EngineCore, SamplingParams, prefill_counts
 
 
 @dataclass
@@ -56,25 +54,18 @@ class Sessions:
     """Live sequences of one ``vllm.LLM`` engine, continued across batches of requests."""
 
     def __init__(self, llm: Any, lookback: int = 1):
-        engine = llm.llm_engine
-        self.core = engine.engine_core
-        self.inputs = engine.input_processor
-        self.tasks = engine.get_supported_tasks()
+        self.core = core = EngineCore.of(llm)
         self.live: LiveContexts[str] = LiveContexts(lookback)
         self.stats = SessionStats()
-        config = engine.vllm_config
-        self.token_budget = config.scheduler_config.max_num_batched_tokens
+        self.token_budget = core.token_budget
         # Parked sessions hold a scheduler slot and KV blocks that vLLM cannot preempt. Keep one slot
         # and a longest context's worth of KV for everything else, so that the scheduler never waits
         # on parked sessions for ever.
-        self.max_live = config.scheduler_config.max_num_seqs - 1
-        cache = config.cache_config
-        capacity = (cache.num_gpu_blocks or 0) * cache.block_size
-        self.block_size = cache.block_size
-        self.kv_budget = capacity - config.model_config.max_model_len
-        transfer = config.kv_transfer_config
+        self.max_live = core.max_num_seqs - 1
+        self.block_size = core.block_size
+        self.kv_budget = core.kv_blocks * core.block_size - core.max_model_len
         #: whether forks copy their parent's unfinished block (:mod:`genlm_vllm.forks` is plugged in)
-        self.forks = transfer is not None and transfer.kv_connector == CONNECTOR
+        self.forks = core.kv_connector == CONNECTOR
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
 
@@ -82,8 +73,7 @@ class Sessions:
         """Compute one row per request (captured by its ``extra_args``' tag), continuing live
         sessions where a request extends one; on return the batch's sessions are the live ones."""
         plan, released = self.live.plan(requests)
-        if released:
-            self.core.abort_requests(released)
+        self.core.abort(released)
         self.stats.batches += 1
         chunks: dict[str, int] = {}  # request id -> index in the batch
         resumable: list[bool] = []
@@ -91,12 +81,10 @@ class Sessions:
             self._submit(requests, plan, extra_args, loras, chunks, resumable)
             failed = self._wait(chunks, sum(len(r.token_ids) for r in requests))
         except BaseException:  # nothing of this batch may stay parked in the engine
-            self.core.abort_requests([*chunks, *(c.handle for c in plan if c is not None)])
+            self.core.abort([*chunks, *(c.handle for c in plan if c is not None)])
             raise
         self.stats.rows += len(requests)
-        ended = [rid for rid, i in chunks.items() if resumable[i] and rid in failed]
-        if ended:
-            self.core.abort_requests(ended)
+        self.core.abort([rid for rid, i in chunks.items() if resumable[i] and rid in failed])
         for rid, i in chunks.items():
             if resumable[i] and rid not in failed:
                 self.live.keep(requests[i], rid)
@@ -127,16 +115,7 @@ class Sessions:
             if keep:
                 live_slots, kv_left = live_slots - 1, kv_left - kv
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
-            chunk = self.inputs.process_inputs(
-                rid,
-                TokensPrompt(prompt_token_ids=list(tokens)),  # a fresh list: the scheduler extends it
-                params,
-                supported_tasks=self.tasks,
-                lora_request=loras[i],
-                resumable=keep,
-            )
-            chunk.external_req_id = rid
-            self.core.add_request(chunk)
+            self.core.add_chunk(rid, tokens, params, loras[i], resumable=keep)
             chunks[rid] = i
             resumable.append(keep)
 
@@ -146,7 +125,7 @@ class Sessions:
         pending, failed = set(chunks), set()
         idle, patience = 0, tokens // max(self.token_budget, 1) + 64  # steps with no output: prefill chunks
         while pending:
-            outputs = self.core.get_output().outputs
+            outputs = self.core.step()
             idle = 0 if outputs else idle + 1
             if idle > patience:
                 raise RuntimeError(f"vLLM made no progress on {len(pending)} requests in {idle} engine steps")
@@ -156,16 +135,14 @@ class Sessions:
                 if not out.new_token_ids:  # aborted or failed in the engine
                     failed.add(out.request_id)
                 pending.discard(out.request_id)
-                stats = out.prefill_stats
-                if stats is not None:
-                    self.stats.tokens_computed += stats.num_computed_tokens
-                    self.stats.tokens_cached += stats.num_local_cached_tokens
-                    self.stats.tokens_copied += stats.num_external_cached_tokens
+                counts = prefill_counts(out)
+                if counts is not None:
+                    self.stats.tokens_computed += counts[0]
+                    self.stats.tokens_cached += counts[1]
+                    self.stats.tokens_copied += counts[2]
         return failed
 
     def release_all(self) -> None:
         """Abort every live session (before anything else uses the engine: a parked session keeps
         ``LLM.generate`` from ever seeing an idle engine)."""
-        handles = self.live.release_all()
-        if handles:
-            self.core.abort_requests(handles)
+        self.core.abort(self.live.release_all())

@@ -1,5 +1,8 @@
 """Corrections to vLLM applied in every process that runs the model (imported with the processor).
 
+Each is applied only where a probe of its bug finds it (:func:`apply_cpu_fixes`), so a vLLM release
+that fixes one stops being patched without a change here.
+
 **LoRA beside plain requests on vLLM's CPU build.** Its PyTorch LoRA kernels pick each token's
 adapter weights with ``weights[index]``, and a token of a request without an adapter has index -1:
 Python indexing then picks the *last* adapter slot. With one slot (``max_loras=1``, the default),
@@ -24,25 +27,58 @@ import torch
 MARK = "_genlm_fixed"
 
 
-def apply_cpu_fixes() -> bool:
-    """Apply every fix here on vLLM's CPU build (idempotent); returns whether they apply here."""
-    from vllm.platforms import current_platform
+def apply_cpu_fixes() -> list[str]:
+    """Apply each fix here that this vLLM still needs (idempotent): on its CPU build, where a probe of
+    the bug finds it. Returns the names of the fixes in place."""
+    from genlm_vllm.vllm_api import cpu_fix_targets
 
-    if not current_platform.is_cpu():
-        return False
-    from vllm.lora.ops.torch_ops import lora_ops
-    from vllm.lora.punica_wrapper import punica_cpu
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
+    targets = cpu_fix_targets()
+    if targets is None:
+        return []
+    applied = []
     # sgmv_shrink (prefill) calls bgmv_shrink through its module; the CPU wrapper imported it by name
-    _replace(skip_requests_without_adapter, (lora_ops, punica_cpu), "bgmv_shrink")
-    _replace(make_pipeline_buffer_first, (CPUModelRunner,), "sync_and_gather_intermediate_tensors")
-    return True
+    owners = (targets["lora_ops"], targets["punica_cpu"])
+    if _fixed(owners[0].bgmv_shrink) or lora_kernel_leaks(owners[0].bgmv_shrink):
+        _replace(skip_requests_without_adapter, owners, "bgmv_shrink")
+        applied.append("lora")
+    runner = targets["cpu_runner"]
+    if _fixed(runner.sync_and_gather_intermediate_tensors) or needs_pipeline_buffer(
+        runner.sync_and_gather_intermediate_tensors
+    ):
+        _replace(make_pipeline_buffer_first, (runner,), "sync_and_gather_intermediate_tensors")
+        applied.append("pipeline")
+    return applied
+
+
+def _fixed(function: Any) -> bool:
+    return bool(getattr(function, MARK, False))
+
+
+def lora_kernel_leaks(bgmv_shrink: Callable[..., Any]) -> bool:
+    """Whether the CPU LoRA kernel gives a token without an adapter (index -1) an adapter's output."""
+    inputs = torch.ones(1, 2)
+    weights = torch.ones(1, 1, 2, 2)  # one adapter slot
+    out = torch.zeros(1, 2)
+    bgmv_shrink(inputs, weights, out, torch.tensor([-1]), 1.0)
+    return bool(out.abs().sum() > 0)
+
+
+def needs_pipeline_buffer(sync_and_gather: Callable[..., Any]) -> bool:
+    """Whether a later pipeline stage still fails when the warm-up did not create its input buffer."""
+    from types import SimpleNamespace
+
+    try:
+        sync_and_gather(SimpleNamespace(intermediate_tensors=None), 1, None, False)
+    except AssertionError:
+        return True
+    except Exception:  # it went further than the missing buffer: vLLM handles it now
+        return False
+    return False
 
 
 def _replace(fix: Callable[[Any], Any], owners: tuple[Any, ...], name: str) -> None:
     original = getattr(owners[0], name)
-    if getattr(original, MARK, False):
+    if _fixed(original):
         return
     fixed = fix(original)
     setattr(fixed, MARK, True)

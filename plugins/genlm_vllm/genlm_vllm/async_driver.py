@@ -1,0 +1,295 @@
+"""``engine="async"``: vLLM's AsyncLLM behind the driver interface; each request streams in as it comes.
+
+There is no batch barrier of ours: vLLM's scheduler batches whatever is in flight at each step. The
+AsyncLLM lives on an event loop of its own in a daemon thread (:class:`EngineThread`), so it works
+whatever loop, thread or ``asyncio.run`` the caller uses, and its output handler never dies with a
+caller's loop. Concurrent requests for the same context share one engine request; a request whose
+every caller was cancelled is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from genlm_core import BatcherError, Request
+from genlm_vllm import vllm_api
+from genlm_vllm.driver import EngineDriver, check_started, first_token_logprobs, sampling_params, stack, without_stop
+from genlm_vllm.environment import engine_start
+from genlm_vllm.layout import Layout
+from genlm_vllm.options import VLLMOptions
+from genlm_vllm.rows import SharedMemoryRows, open_channel
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """An asyncio loop in a daemon thread; coroutines for the engine run there."""
+
+    def __init__(self, name: str = "genlm-vllm-engine"):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the engine loop and wait for it (from any other thread)."""
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class _Shared:
+    """One engine request and the callers waiting for it."""
+
+    __slots__ = ("failure", "future", "waiters")
+
+    def __init__(self, future: concurrent.futures.Future[torch.Tensor]):
+        self.future = future
+        self.waiters = 0
+        self.failure: BaseException | None = None  # what waiters get when we cancel it ourselves
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        self.future.cancel()
+
+
+class AsyncLLMDriver(EngineDriver):
+    """vLLM's AsyncLLM (``engine="async"``), on an engine thread of its own."""
+
+    streams = True
+
+    def __init__(self, engine: Any, thread: EngineThread, lay: Layout):
+        super().__init__(lay)
+        self.engine = engine
+        self.engine_thread = thread
+
+        async def pop(tags: list[str], discard: list[str]) -> list[Any]:
+            return await vllm_api.every_worker_async(engine, "genlm_pop_rows", (tags, discard), lay.data_parallel)
+
+        self.rows = open_channel(lay, vllm_api.vocab_size(engine), pop_async=pop)
+        self.adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
+        self._lora_ids = 0
+        self._inflight: dict[Request, _Shared] = {}
+        self._inflight_lock = threading.Lock()
+
+    @classmethod
+    def start(cls, kwargs: dict[str, Any], options: VLLMOptions, lay: Layout, runner: str) -> AsyncLLMDriver:
+        """Start an AsyncLLM with engine arguments ``kwargs`` on a new engine thread."""
+        thread = EngineThread()
+
+        async def build() -> Any:  # on the engine loop, so AsyncLLM's output handler runs there
+            return vllm_api.start_async_llm(kwargs)
+
+        try:
+            with engine_start(lay, runner):
+                engine = thread.call(build())
+        except BaseException:
+            thread.stop()
+            raise
+        driver = cls(engine, thread, lay)
+        try:
+            check_started(driver, vllm_api.engine_config(engine), runner, sessions=False)
+        except BaseException:
+            driver.close()
+            raise
+        return driver
+
+    # ---- rows ---------------------------------------------------------------------------------
+
+    async def stream_logits(self, request: Request) -> torch.Tensor:
+        """The request's row from the running engine; concurrent callers of one context share one
+        engine request, and it is aborted once every caller has been cancelled."""
+        with self._inflight_lock:
+            shared = self._inflight.get(request)
+            if shared is None:
+                if self.engine is None:
+                    raise RuntimeError("this engine is closed")
+                shared = self._inflight[request] = _Shared(self.engine_thread.submit(self._logits(request)))
+                shared.future.add_done_callback(functools.partial(self._forget, request, shared))
+            shared.waiters += 1
+        try:
+            return await _result_of(shared)
+        except asyncio.CancelledError:
+            with self._inflight_lock:
+                shared.waiters -= 1
+                abandoned = shared.waiters == 0
+                if abandoned and self._inflight.get(request) is shared:
+                    del self._inflight[request]  # a new caller starts afresh, not on this aborted one
+            if abandoned:  # nobody wants it any more: abort it in the engine
+                shared.future.cancel()
+            raise
+
+    def _forget(self, request: Request, shared: _Shared, _: object = None) -> None:
+        with self._inflight_lock:
+            if self._inflight.get(request) is shared:
+                del self._inflight[request]
+
+    async def _logits(self, request: Request) -> torch.Tensor:
+        """On the engine loop: one request's raw row."""
+        assert self.rows is not None
+        ticket = self.rows.prepare(1)
+        params = sampling_params(1, (), 1.0, None)
+        params.extra_args = ticket.extra_args[0]
+        self.batches += 1
+        finished = False
+        try:
+            prompt = vllm_api.prompt(request.token_ids)
+            async for _ in self.engine.generate(
+                prompt, params, ticket.tags[0], lora_request=self.lora_request(request.adapter)
+            ):
+                pass
+            rows = await self.rows.collect_async(ticket)
+            finished = True
+        finally:
+            # AsyncLLM has sent the abort of a cancelled request by now: later requests reach the
+            # engine after it, so the slot can be handed out again
+            self.rows.release(ticket, finished or isinstance(self.rows, SharedMemoryRows))
+        return stack(rows, [request])[0]
+
+    def logits(self, requests: Sequence[Request]) -> torch.Tensor:
+        """The synchronous path (``next_token_logprobs_sync`` and friends): stream them all, wait."""
+
+        async def every() -> list[torch.Tensor]:
+            return list(await asyncio.gather(*(self._logits(r) for r in requests)))
+
+        return torch.stack(self.engine_thread.call(every()))
+
+    def uncached_logits(self, request: Request) -> torch.Tensor:
+        """The row of one context alone, salted so that no cached KV block is reused."""
+        import uuid
+
+        assert self.rows is not None
+        ticket = self.rows.prepare(1)
+        params = sampling_params(1, (), 1.0, None)
+        params.extra_args = ticket.extra_args[0]
+
+        async def one() -> list[torch.Tensor | None]:
+            prompt = vllm_api.prompt(request.token_ids, cache_salt=uuid.uuid4().hex)
+            lora = self.lora_request(request.adapter)
+            async for _ in self.engine.generate(prompt, params, ticket.tags[0], lora_request=lora):
+                pass
+            return await self.rows.collect_async(ticket)  # type: ignore[union-attr]
+
+        finished = False
+        try:
+            rows = self.engine_thread.call(one())
+            finished = True
+        finally:
+            self.rows.release(ticket, finished)
+        return stack(rows, [request])[0]
+
+    def fail_in_flight(self, error: BaseException) -> None:
+        with self._inflight_lock:
+            pending, self._inflight = list(self._inflight.values()), {}
+        for shared in pending:
+            shared.fail(error)
+
+    # ---- sampling and the rest ----------------------------------------------------------------
+
+    async def sample(
+        self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
+    ) -> list[int]:
+        """Streamed like every request; cancelling the caller aborts it in the engine."""
+        params = sampling_params(max_tokens, eos, temperature, seed)
+        return await asyncio.wrap_future(self.engine_thread.submit(self._sample_one(request, params)))
+
+    async def _sample_one(self, request: Request, params: Any) -> list[int]:
+        assert self.rows is not None
+        self.batches += 1
+        final = None
+        prompt = vllm_api.prompt(request.token_ids)
+        lora = self.lora_request(request.adapter)
+        async for out in self.engine.generate(prompt, params, self.rows.new_tags(1)[0], lora_request=lora):
+            final = out
+        assert final is not None
+        return without_stop(final.outputs[0].token_ids, params.stop_token_ids)
+
+    def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
+        assert self.rows is not None
+
+        async def one(context: Sequence[int], tag: str) -> dict[int, float]:
+            params = vllm_api.SamplingParams(max_tokens=1, logprobs=k, detokenize=False)
+            final = None
+            async for out in self.engine.generate(vllm_api.prompt(context), params, tag):
+                final = out
+            assert final is not None
+            return first_token_logprobs(final)
+
+        async def every() -> list[dict[int, float]]:
+            tags = self.rows.new_tags(len(contexts))  # type: ignore[union-attr]
+            return list(await asyncio.gather(*(one(c, t) for c, t in zip(contexts, tags))))
+
+        return self.engine_thread.call(every())
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Every worker of every engine (vLLM's data parallel included)."""
+        return self.engine_thread.call(
+            vllm_api.every_worker_async(self.engine, method, args, self.layout.data_parallel)
+        )
+
+    def lora_request(self, adapter: str | None) -> Any:
+        return None if adapter is None else self.adapters[adapter]
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._lora_ids += 1
+        self.adapters[name] = vllm_api.LoRARequest(name, self._lora_ids, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine_thread.call(self.engine.remove_lora(self.adapters.pop(name).lora_int_id))
+
+    def reset_prefix_cache(self) -> None:
+        self.engine_thread.call(self.engine.reset_prefix_cache())
+
+    def shutdown(self) -> None:
+        from genlm_core import ClosedError
+
+        self.fail_in_flight(ClosedError("the model was closed by cleanup() while this request ran"))
+        engine, self.engine = self.engine, None
+
+        async def shutdown() -> None:
+            engine.shutdown()
+
+        try:
+            self.engine_thread.call(shutdown(), timeout=60)
+        finally:
+            self.engine_thread.stop()
+
+
+def _result_of(shared: _Shared) -> asyncio.Future[torch.Tensor]:
+    """A future on the running loop that follows ``shared.future`` and can be cancelled alone."""
+    loop = asyncio.get_running_loop()
+    mine: asyncio.Future[torch.Tensor] = loop.create_future()
+
+    def copy(done: concurrent.futures.Future[torch.Tensor]) -> None:
+        if mine.done():
+            return
+        if done.cancelled():
+            mine.set_exception(shared.failure or BatcherError("the request was cancelled"))
+        elif done.exception() is not None:
+            mine.set_exception(done.exception())  # type: ignore[arg-type]
+        else:
+            mine.set_result(done.result())
+
+    def follow(done: concurrent.futures.Future[torch.Tensor]) -> None:
+        try:
+            loop.call_soon_threadsafe(copy, done)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+    shared.future.add_done_callback(follow)
+    return mine

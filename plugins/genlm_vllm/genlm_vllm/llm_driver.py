@@ -1,0 +1,184 @@
+"""``vllm.LLM`` behind the driver interface: in-process, multiprocess, tensor/pipeline parallel, Ray.
+
+A batch of requests becomes one row-sized chunk per request of the engine's resumable sessions
+(:mod:`genlm_vllm.sessions`): a request that extends a context of the previous batch continues that
+sequence in the engine, computing only its new tokens. With ``live_sessions=False`` a batch is one
+plain ``generate`` (prefix caching only). Either way the capture processor
+(:mod:`genlm_vllm.capture`) copies each request's logits by tag wherever the model runs, and the row
+channel (:mod:`genlm_vllm.rows`) brings them back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from genlm_core import AutoBatcher, Request
+from genlm_vllm import vllm_api
+from genlm_vllm.driver import (
+    EngineDriver,
+    SampleCall,
+    check_started,
+    first_token_logprobs,
+    sampling_params,
+    stack,
+    without_stop,
+)
+from genlm_vllm.environment import engine_start
+from genlm_vllm.layout import Layout
+from genlm_vllm.options import VLLMOptions
+from genlm_vllm.rows import open_channel
+from genlm_vllm.sessions import Sessions
+
+
+class LLMDriver(EngineDriver):
+    """A ``vllm.LLM`` engine, driven from one thread at a time (it is not thread-safe)."""
+
+    def __init__(self, llm: Any, options: VLLMOptions, lay: Layout):
+        super().__init__(lay)
+        self.engine = llm
+        self.rows = open_channel(
+            lay,
+            vllm_api.vocab_size(llm),
+            pop=lambda tags, discard: llm.collective_rpc("genlm_pop_rows", args=(tags, discard)),
+        )
+        #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
+        self.sessions = Sessions(llm) if options.sessions_in(lay) else None
+        self.adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
+        self._lora_ids = 0
+        self.sampler: AutoBatcher[SampleCall, list[int]] = AutoBatcher(
+            self._sample_batch,
+            batch_size=options.batch_size,
+            timeout=options.timeout,
+            run_in_thread=True,
+            name="vllm-sample",
+        )
+
+    @classmethod
+    def start(cls, kwargs: dict[str, Any], options: VLLMOptions, lay: Layout, runner: str) -> LLMDriver:
+        """Start a ``vllm.LLM`` with engine arguments ``kwargs`` in layout ``lay``."""
+        with engine_start(lay, runner):
+            llm = vllm_api.start_llm(kwargs)
+        driver = cls(llm, options, lay)
+        try:
+            check_started(driver, vllm_api.engine_config(llm), runner, driver.sessions is not None)
+        except BaseException:
+            driver.close()
+            raise
+        return driver
+
+    # ---- rows ---------------------------------------------------------------------------------
+
+    def logits(self, requests: Sequence[Request]) -> torch.Tensor:
+        return self.capture(requests, live=self.sessions is not None)
+
+    def uncached_logits(self, request: Request) -> torch.Tensor:
+        return self.capture([request], live=False, cache_salt=uuid.uuid4().hex)[0]
+
+    def capture(self, requests: Sequence[Request], live: bool, cache_salt: str | None = None) -> torch.Tensor:
+        """Logits of each request, captured in the engine: as chunks of live sessions, or by a plain
+        ``generate`` (with ``cache_salt``: sharing no cached block with other requests)."""
+        assert self.rows is not None
+        ticket = self.rows.prepare(len(requests))
+        finished = False
+        try:
+            if live:
+                assert self.sessions is not None
+                self.batches += 1
+                self.sessions.run(requests, ticket.extra_args, [self.lora_request(r.adapter) for r in requests])
+            else:
+                params = [
+                    vllm_api.SamplingParams(max_tokens=1, detokenize=False, extra_args=a) for a in ticket.extra_args
+                ]
+                self.generate([r.token_ids for r in requests], params, [r.adapter for r in requests], cache_salt)
+            rows = self.rows.collect(ticket)
+            finished = True
+            return stack(rows, requests)
+        except BaseException:
+            self.release_sessions()  # a failed batch leaves nothing alive that a later batch could continue
+            raise
+        finally:
+            self.rows.release(ticket, finished)
+
+    def generate(
+        self,
+        contexts: Sequence[Sequence[int]],
+        params: list[Any],
+        adapters: Iterable[str | None],
+        cache_salt: str | None = None,
+    ) -> Any:
+        """One plain ``LLM.generate`` (ends the live sessions first: they would keep it waiting)."""
+        self.release_sessions()
+        prompts = [vllm_api.prompt(c, cache_salt) for c in contexts]
+        loras = [self.lora_request(a) for a in adapters]
+        self.batches += 1
+        return vllm_api.generate(self.engine, prompts, params, loras if any(loras) else None)
+
+    def release_sessions(self) -> None:
+        """End the engine's live sequences (before any other use of the engine)."""
+        if self.sessions is not None:
+            self.sessions.release_all()
+
+    # ---- sampling and the rest ----------------------------------------------------------------
+
+    async def sample(
+        self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
+    ) -> list[int]:
+        """Concurrent calls share one ``generate``."""
+        return await self.sampler.submit(object(), (request, max_tokens, eos, temperature, seed))
+
+    def _sample_batch(self, calls: list[SampleCall]) -> list[list[int]]:
+        params = [sampling_params(*call[1:]) for call in calls]
+        with self.lock:
+            outputs = self.generate([r.token_ids for r, *_ in calls], params, [r.adapter for r, *_ in calls])
+        return [without_stop(out.outputs[0].token_ids, call[2]) for call, out in zip(calls, outputs)]
+
+    def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
+        params = [vllm_api.SamplingParams(max_tokens=1, logprobs=k, detokenize=False) for _ in contexts]
+        with self.lock:
+            outputs = self.generate(contexts, params, [None] * len(contexts))
+        return [first_token_logprobs(out) for out in outputs]
+
+    def call_workers(self, method: str, *args: Any) -> list[Any]:
+        return list(self.engine.collective_rpc(method, args=args))
+
+    def lora_request(self, adapter: str | None) -> Any:
+        """vLLM's ``LoRARequest`` for a loaded adapter's name (None: the base model)."""
+        return None if adapter is None else self.adapters[adapter]
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._lora_ids += 1  # vLLM keys adapters by int id: never reuse one
+        self.adapters[name] = vllm_api.LoRARequest(name, self._lora_ids, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.release_sessions()
+        vllm_api.remove_lora(self.engine, self.adapters.pop(name).lora_int_id)
+
+    def reset_prefix_cache(self) -> None:
+        self.release_sessions()  # parked sessions hold blocks: the prefix cache cannot be reset under them
+        self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.sampler.close()
+        llm, self.engine = self.engine, None
+        self.sessions = None  # it holds the engine core (and, with Ray, its mapped queues)
+        # vLLM's Ray executor leaves the placement group it made for an in-process engine
+        group = vllm_api.placement_group(llm) if self.layout.ray and not self.layout.multiprocess else None
+        try:
+            vllm_api.shutdown_llm(llm)
+        finally:
+            if group is not None:
+                remove_placement_group(group)
+
+
+def remove_placement_group(group: Any) -> None:
+    """Remove a Ray placement group (logged, not raised, if Ray has already let it go)."""
+    import ray
+
+    try:
+        ray.util.remove_placement_group(group)
+    except Exception as exc:
+        vllm_api.log.info("removing the engine's Ray placement group: %s: %s", type(exc).__name__, exc)

