@@ -164,7 +164,9 @@ def suite(
     from genlm_hf import AsyncTransformer
     from genlm_vllm.vllm_api import decode
 
-    base: dict[str, Any] = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 8, **(options or {})}
+    # One engine batch per SMC step, flushed as soon as every particle has asked (as bench_smc.py does).
+    base: dict[str, Any] = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 8, "batch_size": n, "timeout": 0}
+    base.update(options or {})
     lines: list[Line] = []
     with tempfile.TemporaryDirectory() as tmp:
         adapter = _adapter(model, tmp)
