@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import functools
 import threading
+import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -82,8 +83,7 @@ class AsyncLLMDriver(EngineDriver):
             return await vllm_api.every_worker_async(engine, "genlm_pop_rows", (tags, discard), lay.data_parallel)
 
         self.rows = open_channel(lay, vllm_api.vocab_size(engine), pop_async=pop)
-        self.adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
-        self._lora_ids = 0
+        self.loras = vllm_api.LoRARequests()
         self._inflight: dict[Request, _Shared] = {}
         self._inflight_lock = threading.Lock()
 
@@ -139,8 +139,8 @@ class AsyncLLMDriver(EngineDriver):
             if self._inflight.get(request) is shared:
                 del self._inflight[request]
 
-    async def _logits(self, request: Request) -> torch.Tensor:
-        """On the engine loop: one request's raw row."""
+    async def _logits(self, request: Request, cache_salt: str | None = None) -> torch.Tensor:
+        """On the engine loop: one request's raw row (``cache_salt``: sharing no cached KV block)."""
         assert self.rows is not None
         ticket = self.rows.prepare(1)
         params = sampling_params(1, (), 1.0, None)
@@ -148,10 +148,9 @@ class AsyncLLMDriver(EngineDriver):
         self.batches += 1
         finished = False
         try:
-            prompt = vllm_api.prompt(request.token_ids)
-            async for _ in self.engine.generate(
-                prompt, params, ticket.tags[0], lora_request=self.lora_request(request.adapter)
-            ):
+            prompt = vllm_api.prompt(request.token_ids, cache_salt)
+            lora = self.loras.get(request.adapter)
+            async for _ in self.engine.generate(prompt, params, ticket.tags[0], lora_request=lora):
                 pass
             rows = await self.rows.collect_async(ticket)
             finished = True
@@ -171,27 +170,7 @@ class AsyncLLMDriver(EngineDriver):
 
     def uncached_logits(self, request: Request) -> torch.Tensor:
         """The row of one context alone, salted so that no cached KV block is reused."""
-        import uuid
-
-        assert self.rows is not None
-        ticket = self.rows.prepare(1)
-        params = sampling_params(1, (), 1.0, None)
-        params.extra_args = ticket.extra_args[0]
-
-        async def one() -> list[torch.Tensor | None]:
-            prompt = vllm_api.prompt(request.token_ids, cache_salt=uuid.uuid4().hex)
-            lora = self.lora_request(request.adapter)
-            async for _ in self.engine.generate(prompt, params, ticket.tags[0], lora_request=lora):
-                pass
-            return await self.rows.collect_async(ticket)  # type: ignore[union-attr]
-
-        finished = False
-        try:
-            rows = self.engine_thread.call(one())
-            finished = True
-        finally:
-            self.rows.release(ticket, finished)
-        return stack(rows, [request])[0]
+        return self.engine_thread.call(self._logits(request, cache_salt=uuid.uuid4().hex))
 
     def fail_in_flight(self, error: BaseException) -> None:
         with self._inflight_lock:
@@ -213,7 +192,7 @@ class AsyncLLMDriver(EngineDriver):
         self.batches += 1
         final = None
         prompt = vllm_api.prompt(request.token_ids)
-        lora = self.lora_request(request.adapter)
+        lora = self.loras.get(request.adapter)
         async for out in self.engine.generate(prompt, params, self.rows.new_tags(1)[0], lora_request=lora):
             final = out
         assert final is not None
@@ -242,15 +221,11 @@ class AsyncLLMDriver(EngineDriver):
             vllm_api.every_worker_async(self.engine, method, args, self.layout.data_parallel)
         )
 
-    def lora_request(self, adapter: str | None) -> Any:
-        return None if adapter is None else self.adapters[adapter]
-
     def load_lora(self, name: str, path: str) -> None:
-        self._lora_ids += 1
-        self.adapters[name] = vllm_api.LoRARequest(name, self._lora_ids, path)
+        self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.engine_thread.call(self.engine.remove_lora(self.adapters.pop(name).lora_int_id))
+        self.engine_thread.call(self.engine.remove_lora(self.loras.pop_id(name)))
 
     def reset_prefix_cache(self) -> None:
         self.engine_thread.call(self.engine.reset_prefix_cache())

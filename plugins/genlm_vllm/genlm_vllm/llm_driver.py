@@ -47,8 +47,7 @@ class LLMDriver(EngineDriver):
         )
         #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
         self.sessions = Sessions(llm) if options.sessions_in(lay) else None
-        self.adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
-        self._lora_ids = 0
+        self.loras = vllm_api.LoRARequests()
         self.sampler: AutoBatcher[SampleCall, list[int]] = AutoBatcher(
             self._sample_batch,
             batch_size=options.batch_size,
@@ -88,7 +87,7 @@ class LLMDriver(EngineDriver):
             if live:
                 assert self.sessions is not None
                 self.batches += 1
-                self.sessions.run(requests, ticket.extra_args, [self.lora_request(r.adapter) for r in requests])
+                self.sessions.run(requests, ticket.extra_args, [self.loras.get(r.adapter) for r in requests])
             else:
                 params = [
                     vllm_api.SamplingParams(max_tokens=1, detokenize=False, extra_args=a) for a in ticket.extra_args
@@ -113,7 +112,7 @@ class LLMDriver(EngineDriver):
         """One plain ``LLM.generate`` (ends the live sessions first: they would keep it waiting)."""
         self.release_sessions()
         prompts = [vllm_api.prompt(c, cache_salt) for c in contexts]
-        loras = [self.lora_request(a) for a in adapters]
+        loras = [self.loras.get(a) for a in adapters]
         self.batches += 1
         return vllm_api.generate(self.engine, prompts, params, loras if any(loras) else None)
 
@@ -145,17 +144,12 @@ class LLMDriver(EngineDriver):
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         return list(self.engine.collective_rpc(method, args=args))
 
-    def lora_request(self, adapter: str | None) -> Any:
-        """vLLM's ``LoRARequest`` for a loaded adapter's name (None: the base model)."""
-        return None if adapter is None else self.adapters[adapter]
-
     def load_lora(self, name: str, path: str) -> None:
-        self._lora_ids += 1  # vLLM keys adapters by int id: never reuse one
-        self.adapters[name] = vllm_api.LoRARequest(name, self._lora_ids, path)
+        self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
         self.release_sessions()
-        vllm_api.remove_lora(self.engine, self.adapters.pop(name).lora_int_id)
+        vllm_api.remove_lora(self.engine, self.loras.pop_id(name))
 
     def reset_prefix_cache(self) -> None:
         self.release_sessions()  # parked sessions hold blocks: the prefix cache cannot be reset under them

@@ -229,6 +229,26 @@ def prompt(token_ids: Any, cache_salt: str | None = None) -> Any:
     return TokensPrompt(prompt_token_ids=list(token_ids), **salt)  # type: ignore[typeddict-item]
 
 
+class LoRARequests:
+    """vLLM's ``LoRARequest`` of each loaded adapter, by name (vLLM keys adapters by an int id: never reused)."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Any] = {}
+        self._ids = 0
+
+    def add(self, name: str, path: str) -> None:
+        self._ids += 1
+        self.by_name[name] = LoRARequest(name, self._ids, path)
+
+    def get(self, name: str | None) -> Any:
+        """The request of adapter ``name``; None for the base model."""
+        return None if name is None else self.by_name[name]
+
+    def pop_id(self, name: str) -> int:
+        """Forget adapter ``name``; the id vLLM knows it by."""
+        return int(self.by_name.pop(name).lora_int_id)
+
+
 def generate(llm: Any, prompts: list[Any], params: list[Any], loras: list[Any] | None) -> Any:
     """``LLM.generate`` of prompts with their own parameters and adapters, quietly."""
     return llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
