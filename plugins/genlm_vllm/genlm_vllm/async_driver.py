@@ -21,7 +21,7 @@ import torch
 
 from genlm_core import BatcherError, Request
 from genlm_vllm import vllm_api
-from genlm_vllm.driver import EngineDriver, check_started, first_token_logprobs, sampling_params, stack, without_stop
+from genlm_vllm.driver import EngineDriver, first_token_logprobs, sampling_params, stack, without_stop
 from genlm_vllm.environment import engine_start
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
@@ -102,11 +102,7 @@ class AsyncLLMDriver(EngineDriver):
             thread.stop()
             raise
         driver = cls(engine, thread, lay)
-        try:
-            check_started(driver, vllm_api.engine_config(engine), runner, sessions=False)
-        except BaseException:
-            driver.close()
-            raise
+        driver.confirm_started(vllm_api.engine_config(engine), runner, sessions=False)
         return driver
 
     # ---- rows ---------------------------------------------------------------------------------

@@ -112,6 +112,14 @@ class EngineDriver(abc.ABC):
     def reset_prefix_cache(self) -> None:
         """Drop what the engine caches between requests (prefix cache, live sessions)."""
 
+    def confirm_started(self, config: Any, runner: str, sessions: bool) -> None:
+        """:func:`check_started` on a driver just built; a driver that fails it is closed."""
+        try:
+            check_started(self, config, runner, sessions)
+        except BaseException:
+            self.close()
+            raise
+
     # ---- the one close path -------------------------------------------------------------------
 
     def close(self) -> None:

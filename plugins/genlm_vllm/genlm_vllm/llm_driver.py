@@ -21,7 +21,6 @@ from genlm_vllm import vllm_api
 from genlm_vllm.driver import (
     EngineDriver,
     SampleCall,
-    check_started,
     first_token_logprobs,
     sampling_params,
     stack,
@@ -62,11 +61,7 @@ class LLMDriver(EngineDriver):
         with engine_start(lay, runner):
             llm = vllm_api.start_llm(kwargs)
         driver = cls(llm, options, lay)
-        try:
-            check_started(driver, vllm_api.engine_config(llm), runner, driver.sessions is not None)
-        except BaseException:
-            driver.close()
-            raise
+        driver.confirm_started(vllm_api.engine_config(llm), runner, driver.sessions is not None)
         return driver
 
     # ---- rows ---------------------------------------------------------------------------------
