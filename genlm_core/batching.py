@@ -1,8 +1,9 @@
 """The one AutoBatcher: every backend and every trie batches concurrent requests through it.
 
-Requests are queued under a key; equal keys share one computation. A batch is flushed when
-``batch_size`` distinct requests are queued, or ``timeout`` seconds after the oldest queued one.
-Batches run one at a time, in order.
+Requests are queued under a key; equal keys share one computation. When a batch is flushed is the
+flush policy (:data:`FlushPolicy`): by default (``"idle"``) as soon as the program can submit nothing
+more (every other task of the event loop is waiting), when ``batch_size`` distinct requests are
+queued, or ``timeout`` seconds after the oldest queued one. Batches run one at a time, in order.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import numpy as np
 import torch
@@ -39,6 +41,28 @@ class Failed:
 
 ProcessFn = Callable[[list[T]], Sequence[Any] | Awaitable[Sequence[Any]]]
 
+#: When a batch of queued requests is flushed to the model (besides a full batch, at once, and
+#: ``timeout`` seconds after the oldest request, always):
+#:
+#: - ``"idle"``: as soon as nothing else in the program can run (every other task of the event loop
+#:   waits: on this batcher, a timer, I/O or a thread). A particle step's requests form one batch
+#:   and nobody waits for a timer.
+#: - ``"eager"``: as soon as the model is free, and a queue of two or more goes in two halves, the
+#:   second as soon as the first is done: the program works on the first half's rows while the model
+#:   computes the second half (for a batch function run in a thread or a coroutine function; an
+#:   inline one flushes as ``"idle"``). A step costs about the model's time plus half the program's,
+#:   at the price of one more model call per step.
+#: - ``"timeout"``: only when full or at the timeout (``timeout=0``: after one event-loop pass).
+FlushPolicy = Literal["idle", "eager", "timeout"]
+FLUSH_POLICIES: tuple[str, ...] = get_args(FlushPolicy)
+
+
+def loop_is_idle(loop: asyncio.AbstractEventLoop) -> bool | None:
+    """Whether no callback but the caller's is ready to run in ``loop`` (so no other task can submit
+    anything before the caller yields), or None where the loop does not tell (not CPython's asyncio)."""
+    ready = getattr(loop, "_ready", None)
+    return None if ready is None else not ready
+
 
 #: How many recent batch sizes :class:`BatcherStats` keeps (its memory stays bounded).
 RECENT_BATCHES = 1000
@@ -54,6 +78,9 @@ class BatcherStats:
     submitted: int = 0
     full_flushes: int = 0  #: batches flushed because batch_size requests were queued
     timed_flushes: int = 0  #: batches flushed because the oldest request was timeout seconds old
+    idle_flushes: int = 0  #: batches flushed because nothing else in the program could run ("idle")
+    eager_flushes: int = 0  #: batches started as soon as the model was free ("eager")
+    busy_seconds: float = 0.0  #: time the batch function was computing (the model's busy time)
     sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_BATCHES))
 
 
@@ -157,8 +184,12 @@ class AutoBatcher(Generic[T, R]):
         timeout: float = 0.02,
         run_in_thread: bool = False,
         name: str = "batcher",
+        flush: FlushPolicy = "idle",
     ):
         self.batch_size, self.timeout = check_batcher_numbers(batch_size, timeout)
+        if flush not in FLUSH_POLICIES:
+            raise ValueError(f"flush must be one of {', '.join(map(repr, FLUSH_POLICIES))}, got {flush!r}")
+        self.flush = flush
         self.process = process
         self.run_in_thread = run_in_thread
         self.name = name
@@ -168,6 +199,8 @@ class AutoBatcher(Generic[T, R]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[Hashable, _Job] = {}
         self._running: dict[Hashable, _Job] = {}
+        self._launched: tuple[list[_Job], asyncio.Future[Sequence[Any]]] | None = None  # the batch computing
+        self._held_back = 0  # "eager": requests of a split queue left for the next batch
         self._worker: asyncio.Task[None] | None = None
         self._full: asyncio.Future[None] | None = None
         self._failure: BatcherError | None = None  # the worker's death, raised once by the next submit
@@ -230,12 +263,15 @@ class AutoBatcher(Generic[T, R]):
             self._full = None
 
     async def _work(self) -> None:
-        """The worker task: flush batches while requests are queued."""
+        """The worker task: flush batches while requests are queued, and finish each one launched."""
         try:
-            while self._pending:
-                batch = await self._next_batch()
-                if batch:
-                    await self._run_batch(batch)
+            while self._pending or self._launched is not None:
+                if self._launched is None:
+                    batch = await self._next_batch()
+                    if batch and self._launched is None:
+                        self._launch(batch)
+                if self._launched is not None:
+                    await self._finish()
         except Exception as exc:  # a bug of ours: fail everyone now rather than leave them waiting
             log.error("%s: batch worker stopped: %r", self.name, exc, exc_info=exc)
             error = BatcherError(f"{self.name}: the batch worker stopped on an unexpected error: {exc!r}")
@@ -243,36 +279,92 @@ class AutoBatcher(Generic[T, R]):
             self._failure = error
             for job in [*self._pending.values(), *self._running.values()]:
                 job.resolve(Failed(error))
-            self._pending, self._running = {}, {}
+            self._pending, self._running, self._launched = {}, {}, None
         finally:
             if self._worker is asyncio.current_task():
                 self._worker = None
 
     async def _next_batch(self) -> list[_Job]:
-        """The flush policy: wait until ``batch_size`` requests are queued or the oldest one is
-        ``timeout`` seconds old, then take up to ``batch_size`` of them, oldest first."""
+        """The flush policy (:data:`FlushPolicy`): wait until a batch is due, then take up to
+        ``batch_size`` queued requests, oldest first ([] if a submit launched one meanwhile)."""
         loop = asyncio.get_running_loop()
-        while self._pending:
+        quiet_passes = 0  # event-loop passes that queued nothing new (where the loop cannot say it is idle)
+        while self._pending and self._launched is None:
+            if self.flush == "eager" and (self.run_in_thread or self._is_async):
+                self.stats.eager_flushes += 1  # the model is free: no reason to wait
+                queued = min(len(self._pending), self.batch_size)
+                if not self._held_back and queued >= 2:  # the first half now, the rest as soon as it is done
+                    self._held_back = queued // 2
+                    return self._take(queued - self._held_back)
+                self._held_back = 0
+                break
             oldest = next(iter(self._pending.values()))
             delay = flush_delay(oldest.queued_at, len(self._pending), loop.time(), self.batch_size, self.timeout)
-            if delay > 0:
-                await self._wait_until_full(delay)
+            if delay == 0:
+                if len(self._pending) < self.batch_size:
+                    if self.timeout == 0 and self.flush == "timeout":
+                        await asyncio.sleep(0)  # let requests issued in this same step join
+                    self.stats.timed_flushes += 1
+                else:
+                    self.stats.full_flushes += 1
+                break
+            if self.flush != "timeout":  # "idle", and "eager" with an inline batch function
+                idle = loop_is_idle(loop)
+                if idle or (idle is None and quiet_passes >= 2):
+                    self.stats.idle_flushes += 1
+                    break
+                queued = len(self._pending)
+                await asyncio.sleep(0)
+                quiet_passes = quiet_passes + 1 if len(self._pending) == queued else 0
                 continue
-            if len(self._pending) < self.batch_size:
-                if self.timeout == 0:
-                    await asyncio.sleep(0)  # let requests issued in this same step join
-                self.stats.timed_flushes += 1
-            else:
-                self.stats.full_flushes += 1
-            break
-        keys = list(self._pending)[: self.batch_size]
+            await self._wait_until_full(delay)
+        return [] if self._launched is not None else self._take()
+
+    def _take(self, limit: int | None = None) -> list[_Job]:
+        keys = list(self._pending)[: min(limit or self.batch_size, self.batch_size)]
         return [self._pending.pop(k) for k in keys]
 
-    async def _run_batch(self, batch: list[_Job]) -> None:
-        """Compute one batch and resolve its waiters (a failure fails this batch only)."""
+    def _launch(self, batch: list[_Job]) -> None:
+        """Start computing ``batch`` (in the worker thread, or as a task for a coroutine function;
+        an inline batch function runs when the worker awaits it)."""
         self._running.update((job.key, job) for job in batch)
+        loop = asyncio.get_running_loop()
+        items = [job.item for job in batch]
+        computing: asyncio.Future[Sequence[Any]]
+        if self._is_async:
+            computing = loop.create_task(self._timed_async(items))
+        elif self.run_in_thread:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"genlm-{self.name}")
+            computing = loop.run_in_executor(self._executor, self._timed, items)
+        else:
+            computing = loop.create_future()
+            try:
+                computing.set_result(self._timed(items))
+            except Exception as exc:
+                computing.set_exception(exc)
+        self._launched = (batch, computing)
+
+    def _timed(self, items: list[T]) -> Sequence[Any]:
+        start = time.perf_counter()
         try:
-            results = await self._call([job.item for job in batch])
+            return self.process(items)  # type: ignore[return-value]
+        finally:
+            self.stats.busy_seconds += time.perf_counter() - start
+
+    async def _timed_async(self, items: list[T]) -> Sequence[Any]:
+        start = time.perf_counter()
+        try:
+            return await self.process(items)  # type: ignore[misc]
+        finally:
+            self.stats.busy_seconds += time.perf_counter() - start
+
+    async def _finish(self) -> None:
+        """Wait for the launched batch and resolve its waiters (a failure fails this batch only)."""
+        assert self._launched is not None
+        batch, computing = self._launched
+        try:
+            results = await computing
             if len(results) != len(batch):
                 raise RuntimeError(
                     f"{self.name}: batch function returned {len(results)} results for {len(batch)} items"
@@ -290,22 +382,13 @@ class AutoBatcher(Generic[T, R]):
             for job, result in zip(batch, results):
                 job.resolve(result)
         finally:
+            self._launched = None
             for job in batch:
                 if self._running.get(job.key) is job:
                     del self._running[job.key]
         self.stats.batches += 1
         self.stats.items += len(batch)
         self.stats.sizes.append(len(batch))
-
-    async def _call(self, items: list[T]) -> Sequence[Any]:
-        if self._is_async:
-            return await self.process(items)  # type: ignore[misc]
-        if not self.run_in_thread:
-            return self.process(items)  # type: ignore[return-value]
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"genlm-{self.name}")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.process, items)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         """Drop every queued request that has not started: its waiters get BatcherError. Batches
@@ -325,7 +408,7 @@ class AutoBatcher(Generic[T, R]):
 
     def _bind_fresh(self) -> None:
         self._loop = None
-        self._pending, self._running = {}, {}
+        self._pending, self._running, self._launched = {}, {}, None
         self._worker, self._full = None, None
 
     def close(self) -> None:
@@ -334,7 +417,7 @@ class AutoBatcher(Generic[T, R]):
         self.closed = True
         for job in [*self._pending.values(), *self._running.values()]:
             job.resolve(Failed(ClosedError(f"{self.name} was closed (cleanup() was called)")))
-        self._pending, self._running = {}, {}
+        self._pending, self._running, self._launched = {}, {}, None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator
 
+from genlm_core.batching import FlushPolicy
 from genlm_core.errors import ConfigError, OptionsError
 
 
@@ -40,7 +41,15 @@ class BackendOptions(BaseModel):
 
     batch_size: PositiveInt = Field(32, description="Most requests computed in one batch.")
     timeout: float = Field(
-        0.02, ge=0, description="Seconds after the first queued request at which a partial batch is flushed."
+        0.02, ge=0, description="Most seconds the oldest queued request waits for its batch (under every flush policy)."
+    )
+    flush: FlushPolicy = Field(
+        "idle",
+        description="When a partial batch goes to the model: 'idle' as soon as the program can submit nothing "
+        "more (every other task waits); 'eager' as soon as the model is free, a queue in two halves (the program "
+        "works on the first half's rows while the model computes the second: for a program with much work per "
+        "row on a host whose CPU the model does not need); 'timeout' only at the timeout. A full batch goes at "
+        "once (but for 'eager''s halves), and the timeout bounds every wait.",
     )
     cache_size: int = Field(1024, ge=0, description="Most next-token distributions kept in the output cache.")
     cache_bytes: int | None = Field(

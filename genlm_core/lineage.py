@@ -58,12 +58,16 @@ class LiveContexts(Generic[H]):
     vLLM's sessions): a program that skips a step or goes back gets a fresh computation, which is
     always right. With ``keep_unclaimed`` the sequences nobody continued stay live, oldest first in
     line for :meth:`evict` (an engine whose sequences are cheap to hold, like llama.cpp's), so a
-    particle whose row came in a later batch still continues its sequence."""
+    particle whose row came in a later batch still continues its sequence; ``max_idle_batches``
+    bounds how many batches in a row a sequence may go unclaimed before :meth:`plan` releases it
+    (None: until evicted)."""
 
-    def __init__(self, lookback: int = 1, keep_unclaimed: bool = False):
+    def __init__(self, lookback: int = 1, keep_unclaimed: bool = False, max_idle_batches: int | None = None):
         self.lookback = lookback
         self.keep_unclaimed = keep_unclaimed
+        self.max_idle_batches = max_idle_batches
         self._live: dict[LineageKey, H] = {}
+        self._idle: dict[LineageKey, int] = {}  # batches since each live sequence was last kept
 
     def __len__(self) -> int:
         return len(self._live)
@@ -90,10 +94,19 @@ class LiveContexts(Generic[H]):
             else:
                 cut, (handle, fork) = hit
                 plan.append(Continuation(handle, request.token_ids[-cut:], fork))
-        if self.keep_unclaimed:
-            self._live = live
-            return plan, []
-        return plan, list(live.values())
+        if not self.keep_unclaimed:
+            self._idle = {}
+            return plan, list(live.values())
+        released = []
+        for key in list(live):
+            self._idle[key] = idle = self._idle.get(key, 0) + 1
+            if self.max_idle_batches is not None and idle > self.max_idle_batches:
+                released.append(live.pop(key))
+                del self._idle[key]
+        for key in continued:
+            self._idle.pop(key, None)
+        self._live = live
+        return plan, released
 
     def keep(self, request: Request, handle: H) -> H | None:
         """``handle`` holds ``request``'s context alive for the next batch (the newest in line).
@@ -101,15 +114,18 @@ class LiveContexts(Generic[H]):
         key = (request.adapter, request.token_ids)
         before = self._live.pop(key, None)
         self._live[key] = handle
+        self._idle[key] = 0
         return before if before != handle else None
 
     def evict(self) -> H | None:
         """Forget the live sequence kept longest ago and return its handle (to release), or None."""
         if not self._live:
             return None
-        return self._live.pop(next(iter(self._live)))
+        key = next(iter(self._live))
+        self._idle.pop(key, None)
+        return self._live.pop(key)
 
     def release_all(self) -> list[H]:
         """Forget every live sequence; their handles, to release."""
-        handles, self._live = list(self._live.values()), {}
+        handles, self._live, self._idle = list(self._live.values()), {}, {}
         return handles

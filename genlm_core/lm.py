@@ -103,6 +103,7 @@ class AsyncLM(abc.ABC):
             timeout=o.timeout,
             run_in_thread=run_in_thread,
             name=type(self).__name__,
+            flush=o.flush,
         )
         #: Serialises model work: the batcher's thread, synchronous callers and a backend's own
         #: engine calls (sampling, adapter loading) never overlap. Reentrant.

@@ -115,4 +115,47 @@ def smollm2_dir(dtype: str = "float32") -> Path:
     return _publish(build, out)
 
 
-__all__ = ["smollm2_dir", "tiny_model_dir"]
+def random_lora(model: str | Path, out: str | Path, seed: int = 5, rank: int = 4) -> Path:
+    """Save a random LoRA adapter for ``model`` (on ``q_proj`` and ``v_proj``, B not zero, so it
+    really changes the model) into ``out``; the same arguments always give the same adapter. Needs ``peft``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
+    return Path(out)
+
+
+def smollm2_lora_dirs() -> tuple[Path, Path]:
+    """A random LoRA adapter for :func:`smollm2_dir` and the model with it merged into the weights
+    (a plain folder with the tokenizer), built once: the offline stand-ins for a published adapter
+    and its merged checkpoint."""
+    base = smollm2_dir()
+    adapter = cache_dir() / "models" / "SmolLM2-135M-lora-seed5"
+    if not (adapter / "adapter_config.json").exists():
+        staging = Path(tempfile.mkdtemp(dir=adapter.parent))
+        try:
+            random_lora(base, staging)
+            os.replace(staging, adapter)
+        except OSError:
+            if not (adapter / "adapter_config.json").exists():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def build(dest: Path) -> None:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(dest)
+        AutoTokenizer.from_pretrained(base).save_pretrained(dest)
+
+    return adapter, _publish(build, cache_dir() / "models" / "SmolLM2-135M-lora-seed5-merged")
+
+
+__all__ = ["random_lora", "smollm2_dir", "smollm2_lora_dirs", "tiny_model_dir"]

@@ -1,8 +1,14 @@
-"""genlm-control's and llamppl's own test suites, fetched once and run unmodified under genlm_compat.
+"""The ecosystem's own test suites, fetched once and run unmodified under genlm_compat: the clients'
+(genlm-control, llamppl) and the seeds' (genlm-backend, genlm-bytes) files that load a model.
 
-``python -m tests.compat.client_suites`` runs the selected files on genlm-backend and on genlm, prints
-the table of counts and writes ``seed_passing.txt``: the tests that pass on genlm-backend here, which
-``test_client_suites.py`` requires to pass on genlm.
+``python -m tests.compat.client_suites`` runs the selected files on genlm-backend and genlm-bytes and on
+genlm, prints the table of counts and writes ``seed_passing.txt``: the tests that pass on the seeds here,
+which ``test_client_suites.py`` requires to pass on genlm.
+
+Offline, the hub names these files load are stand-ins: the pytest plugin maps GPT-2 and the Llama-2
+tokenizer names; the seeds' SmolLM names are folders placed beside the tests (:data:`STAND_INS`), which
+every library loads as local paths: SmolLM2-135M for ``HuggingFaceTB/SmolLM-135M``, a random LoRA
+adapter of it for ``vxef/smol_lora_toy`` and the model with that adapter merged for ``vxef/smol_merged_toy``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from pathlib import Path
 
 from genlm_core.testing.tokenizers import cache_dir
 
-CLIENTS = {"genlm-control": "0.4.1", "llamppl": "0.2.3"}
+CLIENTS = {"genlm-control": "0.4.1", "llamppl": "0.2.3", "genlm-backend": "0.3.1", "genlm-bytes": "0.2.0"}
 #: The files of each suite that touch a language model or a trie (the rest test pure potentials).
 FILES = {
     "genlm-control": [
@@ -36,7 +42,27 @@ FILES = {
     # llamppl's tests/test_examples.py imports its haiku example, which downloads NLTK's cmudict at import:
     # it cannot run offline, on genlm-backend or on genlm.
     "llamppl": ["tests/test_lmcontext.py", "tests/test_resampling.py"],
+    "genlm-backend": [
+        "tests/test_llm.py",
+        "tests/test_hf_llm.py",
+        "tests/test_hf_lora.py",
+        "tests/test_lora.py",
+        "tests/test_duplicates.py",
+    ],
+    "genlm-bytes": ["tests/test_beam.py", "tests/test_healing.py"],
 }
+
+
+def stand_ins() -> dict[str, Path]:
+    """Hub name -> the local folder standing in for it, for names the seeds' tests load as paths."""
+    from genlm_core.testing.models import smollm2_dir, smollm2_lora_dirs
+
+    adapter, merged = smollm2_lora_dirs()
+    return {"HuggingFaceTB/SmolLM-135M": smollm2_dir(), "vxef/smol_lora_toy": adapter, "vxef/smol_merged_toy": merged}
+
+
+#: Suites whose tests load the names of :func:`stand_ins` (placed in the suite's folder before a run).
+STAND_INS = {"genlm-backend"}
 #: Tests that are not deterministic on genlm-backend itself (unseeded SMC over random logits): each failed
 #: there in some runs here (test_smc_with_fewer_logits: 1 of 3 runs with GENLM_COMPAT=off). They are run,
 #: but not required.
@@ -80,6 +106,13 @@ def source(name: str) -> Path:
 def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
     """Run client ``name``'s selected files; ``{test id: outcome}`` (passed/failed/skipped/error)."""
     env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
+    root = source(name)
+    if name in STAND_INS:
+        for hub_name, folder in stand_ins().items():
+            link = root / hub_name
+            if not link.exists():
+                link.parent.mkdir(parents=True, exist_ok=True)
+                link.symlink_to(folder, target_is_directory=True)
     subprocess.run(
         [
             sys.executable,
@@ -95,7 +128,7 @@ def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
             f"--junitxml={junit}",
             *FILES[name],
         ],
-        cwd=source(name),
+        cwd=root,
         env=env,
         check=False,
         capture_output=True,
@@ -108,25 +141,29 @@ def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
     return outcomes
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    """Run ``names`` (default: every suite) on the seeds and on genlm; rewrite their lines of ``seed_passing.txt``."""
+    names = names or list(CLIENTS)
+    before = SEED_PASSING.read_text().split() if SEED_PASSING.exists() else []
+    kept = [t for t in before if t.split("::")[0] not in names]
     passing, rows = [], []
-    for name in CLIENTS:
+    for name in names:
         results = {}
         for side in (False, True):
             start = time.perf_counter()
             results[side] = run(name, side, Path(f"/tmp/{name}-{side}.xml"))
             results[side, "s"] = time.perf_counter() - start
-        for side, label in ((False, "genlm-backend"), (True, "genlm (install())")):
+        for side, label in ((False, "the seeds (genlm-backend, genlm-bytes)"), (True, "genlm (install())")):
             counts = {k: sum(v == k for v in results[side].values()) for k in ("passed", "failure", "error", "skipped")}
             rows.append((name, label, counts, results[side, "s"]))
         passing += sorted(t for t, v in results[False].items() if v == "passed" and t not in FLAKY_ON_SEED)
         lost = sorted(t for t, v in results[False].items() if v == "passed" and results[True].get(t) != "passed")
-        print(f"{name}: passing on genlm-backend but not on genlm: {lost or 'none'}")
+        print(f"{name}: passing on the seeds but not on genlm: {lost or 'none'}")
     print("| suite | run on | passed | failed | errors | skipped | time |\n|---|---|---|---|---|---|---|")
     for name, label, c, secs in rows:
         print(f"| {name} | {label} | {c['passed']} | {c['failure']} | {c['error']} | {c['skipped']} | {secs:.0f} s |")
-    SEED_PASSING.write_text("\n".join(passing) + "\n")
+    SEED_PASSING.write_text("\n".join(sorted(kept + passing)) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

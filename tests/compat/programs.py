@@ -2,7 +2,8 @@
 
 ``control_program``: genlm-control's PromptedLLM with a boolean FSA, sampled by the direct token sampler
 and by AWRS under SMC. ``llamppl_program``: a llamppl lipogram (no letter "e") under ``smc_steer``.
-Both fix every random seed they use and return what they sampled with its weights.
+``plain_program``: SMC written on genlm's public API as a user would, each particle working on its own
+row. Each fixes every random seed it uses and returns what it sampled with its weights.
 """
 
 from __future__ import annotations
@@ -72,3 +73,37 @@ async def llamppl_program(lm: Any, seed: int = 0, n_particles: int = 6, max_toke
         "texts": [str(p.context) for p in particles],
         "log_weights": np.array([p.weight for p in particles], dtype=np.float64),
     }
+
+
+async def plain_program(
+    lm: Any, prompt: list[int], mask: torch.Tensor, seed: int = 0, n_particles: int = 32, max_tokens: int = 32
+) -> dict[str, Any]:
+    """SMC as a user writes it on the public API: each particle awaits its own row, masks it, takes
+    the softmax in float64 and draws one token; multinomial resampling when the ESS falls below N/2.
+    ``mask`` (bool over the vocabulary) is the constraint; every particle runs ``max_tokens`` steps."""
+    import asyncio
+
+    gen = torch.Generator().manual_seed(seed)
+    contexts = [list(prompt) for _ in range(n_particles)]
+    log_weights = np.zeros(n_particles)
+    log_z = 0.0
+    allowed = mask.to(torch.float64).log()
+
+    async def extend(i: int) -> None:
+        row = (await lm.next_token_logprobs(contexts[i])).to(torch.float64) + allowed
+        kept = torch.logsumexp(row, 0)
+        token = int(torch.multinomial(torch.softmax(row, 0), 1, generator=gen))
+        log_weights[i] += float(kept)
+        contexts[i] = [*contexts[i], token]
+
+    for _ in range(max_tokens):
+        await asyncio.gather(*(extend(i) for i in range(n_particles)))
+        w = np.exp(log_weights - log_weights.max())
+        if w.sum() ** 2 / (w**2).sum() < n_particles / 2:
+            log_z += float(np.log(w.mean()) + log_weights.max())
+            picks = torch.multinomial(torch.as_tensor(w / w.sum()), n_particles, replacement=True, generator=gen)
+            contexts = [list(contexts[int(j)]) for j in picks]
+            log_weights[:] = 0.0
+    shift = log_weights.max()
+    log_z += float(np.log(np.exp(log_weights - shift).mean()) + shift)
+    return {"contexts": [tuple(c) for c in contexts], "log_weights": log_weights.copy(), "log_z": log_z}

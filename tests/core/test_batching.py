@@ -48,7 +48,7 @@ def test_flush_policy_counts_the_timeout_from_the_oldest_request():
 
 async def test_partial_batch_flushes_after_timeout_with_later_requests_joining():
     rec = Recorder()
-    b = AutoBatcher(rec, batch_size=100, timeout=0.2)
+    b = AutoBatcher(rec, batch_size=100, timeout=0.2, flush="timeout")
     first = asyncio.ensure_future(b.submit(1, 1))
     await asyncio.sleep(0.05)
     second = asyncio.ensure_future(b.submit(2, 2))
@@ -62,6 +62,76 @@ async def test_zero_timeout_still_batches_one_gather():
     b = AutoBatcher(rec, batch_size=64, timeout=0)
     await asyncio.gather(*(b.submit(i, i) for i in range(10)))
     assert rec.batches == [list(range(10))]
+
+
+async def test_idle_flush_sends_a_lone_request_at_once_when_the_program_waits():
+    """Under "idle" nobody waits for a timer: the program sleeps, so nothing else can be queued."""
+    rec = Recorder()
+    b = AutoBatcher(rec, batch_size=100, timeout=600)
+    waiter = asyncio.ensure_future(b.submit(1, 1))
+    await asyncio.sleep(0.05)  # the event loop has nothing else to run
+    assert waiter.done() and waiter.result() == 1
+    assert (b.stats.idle_flushes, b.stats.timed_flushes, b.stats.full_flushes) == (1, 0, 0)
+
+
+async def test_idle_flush_waits_while_the_program_still_runs():
+    """Tasks that reach their submit after several event-loop passes still join the same batch: the
+    loop was never idle until all of them waited (under "timeout" with timeout=0 they would not)."""
+
+    async def particle(i):
+        for _ in range(i):  # work interleaved with other tasks
+            await asyncio.sleep(0)
+        return await b.submit(i, i)
+
+    for flush, batches in (("idle", [list(range(10))]), ("timeout", None)):
+        rec = Recorder()
+        b = AutoBatcher(rec, batch_size=64, timeout=600 if flush == "idle" else 0, flush=flush)
+        assert await asyncio.gather(*(particle(i) for i in range(10))) == [i * i for i in range(10)]
+        if batches is not None:
+            assert rec.batches == batches and b.stats.idle_flushes == 1
+        else:
+            assert len(rec.batches) > 1
+
+
+@pytest.mark.parametrize("flush", ["eager", "idle"])
+async def test_eager_flush_computes_the_second_half_while_the_program_works_on_the_first(flush):
+    """Eight particles ask at once. Under "eager" the model takes the first half, then the second as
+    soon as the first is done, and computes it while a particle of the first half works on its row
+    (that work waits to see the second batch start); under "idle" the eight are one batch."""
+    second_started = threading.Event()
+    batches, overlapped = [], []
+
+    def process(items):
+        batches.append(list(items))
+        if len(batches) == 2:
+            second_started.set()
+        return [x * x for x in items]
+
+    b = AutoBatcher(process, batch_size=64, timeout=600, run_in_thread=True, flush=flush)
+
+    async def particle(i):
+        row = await b.submit(i, i)
+        if i == 0:  # the particle's own work, blocking the event loop
+            overlapped.append(second_started.wait(timeout=5 if flush == "eager" else 0.2))
+        return row
+
+    out = await asyncio.wait_for(asyncio.gather(*(particle(i) for i in range(8))), 30)
+    b.close()
+    assert out == [i * i for i in range(8)]
+    if flush == "eager":
+        assert batches == [[0, 1, 2, 3], [4, 5, 6, 7]] and overlapped == [True]
+        assert b.stats.eager_flushes == 2
+    else:
+        assert batches == [list(range(8))] and overlapped == [False]
+
+
+async def test_busy_seconds_count_the_time_the_model_computes():
+    rec = Recorder(delay=0.05)
+    b = AutoBatcher(rec, batch_size=2, timeout=0, run_in_thread=True)
+    await asyncio.gather(*(b.submit(i, i) for i in range(6)))  # three batches
+    assert b.stats.batches == 3
+    assert 0.15 <= b.stats.busy_seconds < 5
+    b.close()
 
 
 async def test_identical_requests_computed_once():
@@ -168,9 +238,10 @@ def test_loop_interrupted_mid_batch_leaves_batcher_usable():
     b.close()
 
 
-def test_stress_10k_concurrent_requests_no_hang_no_leaked_tasks():
+@pytest.mark.parametrize("flush", ["idle", "eager", "timeout"])
+def test_stress_10k_concurrent_requests_no_hang_no_leaked_tasks(flush):
     rec = Recorder()
-    b = AutoBatcher(rec, batch_size=128, timeout=0.001, run_in_thread=True)
+    b = AutoBatcher(rec, batch_size=128, timeout=0.001, run_in_thread=True, flush=flush)
 
     async def main():
         keys = [i % 7000 for i in range(10_000)]  # some duplicates too
@@ -183,7 +254,7 @@ def test_stress_10k_concurrent_requests_no_hang_no_leaked_tasks():
     assert sum(len(x) for x in rec.batches) == 7000  # each distinct key computed once
     assert max(len(x) for x in rec.batches) <= 128
     b.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("genlm-")]
+    assert not [t for t in threading.enumerate() if t.name.startswith(f"genlm-{b.name}")]
 
 
 def test_rejects_bad_settings():
@@ -191,6 +262,8 @@ def test_rejects_bad_settings():
         AutoBatcher(lambda x: x, batch_size=0)
     with pytest.raises(ValueError, match="timeout"):
         AutoBatcher(lambda x: x, timeout=-1)
+    with pytest.raises(ValueError, match="flush must be one of 'idle', 'eager', 'timeout'"):
+        AutoBatcher(lambda x: x, flush="soon")  # type: ignore[arg-type]
 
 
 async def test_memory_stays_bounded_over_a_million_requests():

@@ -49,3 +49,15 @@ def test_unclaimed_contexts_stay_live_until_evicted_oldest_first():
     live.keep(Request((1, 2, 4)), "d")
     assert live.keep(Request((8,)), "e") == "c"  # a fresh sequence for a live context displaces the old one
     assert [live.evict() for _ in range(5)] == ["b", "a", "d", "e", None]
+
+
+def test_unclaimed_contexts_are_released_after_max_idle_batches():
+    live: LiveContexts[str] = LiveContexts(keep_unclaimed=True, max_idle_batches=2)
+    live.keep(Request((1, 2)), "a")
+    live.keep(Request((5, 6)), "b")
+    assert live.plan([Request((9,))]) == ([None], [])  # idle for one batch: both stay
+    plan, released = live.plan([Request((5, 6, 7))])  # "b" continued, "a" idle for two
+    assert plan == [Continuation("b", (7,))] and released == []
+    live.keep(Request((5, 6, 7)), "b")
+    assert live.plan([Request((9,))]) == ([None], ["a"])  # a third idle batch: released
+    assert live.plan([Request((5, 6, 7, 8))]) == ([Continuation("b", (8,))], [])  # "b"'s count restarted

@@ -21,7 +21,7 @@ from .helpers import BigramLM
 
 @pytest.fixture
 def lm(toy_tok):
-    return BigramLM(toy_tok, batch_size=4, timeout=10.0)
+    return BigramLM(toy_tok, batch_size=4, timeout=10.0, flush="timeout")  # queued requests wait for the timeout
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mistral-v1"])

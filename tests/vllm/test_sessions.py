@@ -178,3 +178,69 @@ def test_a_batch_failing_midway_leaves_nothing_parked(engine, monkeypatch):
     assert not engine.driver.engine.llm_engine.has_unfinished_requests()  # the continued session was aborted too
     assert len(engine.driver.sessions.live) == 0
     check_rows(engine, [((*ids, 1), engine.next_token_logprobs_sync([*ids, 1]))])
+
+
+def test_a_step_split_across_batches_still_continues_every_session(engine):
+    """A step's particles may reach the engine in several batches ("eager" flushes, or a program that
+    awaits something else first): a session nobody continued in one batch is still there for the
+    next, so every row computes one token. Sessions idle for MAX_IDLE_BATCHES batches are aborted."""
+    from genlm_vllm.sessions import MAX_IDLE_BATCHES
+
+    engine.clear_cache()
+    prompt = list(range(1000, 1020))  # under one block: nothing would come from the prefix cache
+    particles = [[*prompt, t] for t in range(8)]
+    engine.batch_next_token_logprobs_sync(particles)
+    stats = engine.driver.sessions.stats
+    stats.__init__()
+    seen = []
+    for step in range(3):
+        particles = [[*p, 7 + step] for p in particles]
+        for part in (particles[:3], particles[3:5], particles[5:]):  # one step in three batches
+            seen += zip(map(tuple, part), engine.batch_next_token_logprobs_sync(part), strict=True)
+    assert (stats.rows, stats.continued, stats.tokens_computed) == (24, 24, 24), stats
+    assert stats.tokens_cached == stats.tokens_copied == 0, stats
+    # Resampled: particle 0's two children, one per batch. The second forks the session that moved past
+    # its context in the first batch (it still holds that context): it copies it instead of computing it.
+    first, second = [*particles[0], 1], [*particles[0], 2]
+    seen += [(tuple(first), engine.next_token_logprobs_sync(first))]
+    seen += [(tuple(second), engine.next_token_logprobs_sync(second))]
+    assert (stats.rows, stats.continued, stats.tokens_computed) == (26, 25, 26), stats
+    assert stats.tokens_copied == len(particles[0]), stats
+    for _ in range(MAX_IDLE_BATCHES + 1):  # batches that continue nothing: the 8 sessions expire
+        engine.cache.clear()
+        engine.next_token_logprobs_sync([5, 6, 7])
+    assert len(engine.driver.sessions.parked) == 1  # only [5, 6, 7]'s own session
+    check_rows(engine, seen)
+
+
+@pytest.mark.parametrize("flush", ["idle", "eager", "timeout"])
+async def test_smc_is_exact_under_every_flush_policy(engine, flush):
+    """A particle program that works on each row (blocking the event loop a little) under each flush
+    policy: every row equals the fresh full-context row."""
+    import time
+
+    engine.clear_cache()
+    batcher = engine.batcher
+    before = batcher.flush
+    batcher.flush = flush
+    rng = random.Random(1)
+    seen = []
+    try:
+        particles = [tuple(range(300, 330))] * 8
+
+        async def step(context, i, s):
+            row = await engine.next_token_logprobs(list(context))
+            time.sleep(0.002)  # the particle's own work
+            seen.append((context, row))
+            g = torch.Generator().manual_seed(s * 31 + i)
+            return (*context, int(torch.multinomial(row.exp(), 1, generator=g)))
+
+        for s in range(12):
+            particles = await asyncio.gather(*(step(c, i, s) for i, c in enumerate(particles)))
+            if s % 4 == 3:
+                particles = [rng.choice(particles) for _ in particles]
+    finally:
+        batcher.flush = before
+    if flush == "eager":
+        assert batcher.stats.eager_flushes > 0
+    check_rows(engine, seen)

@@ -19,7 +19,7 @@ import pytest
 # No model hub here: a name with no offline stand-in fails at once instead of retrying the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-GPT2_NAMES = {"gpt2", "openai-community/gpt2"}
+GPT2_NAMES = {"gpt2", "openai-community/gpt2", "gpt2-medium"}
 LLAMA2_TOKENIZER_NAMES = {"codellama/CodeLlama-7b-hf", "EleutherAI/llemma_7b"}
 
 

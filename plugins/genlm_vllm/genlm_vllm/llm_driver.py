@@ -52,6 +52,7 @@ class LLMDriver(EngineDriver):
             batch_size=options.batch_size,
             timeout=options.timeout,
             run_in_thread=True,
+            flush=options.flush,
             name="vllm-sample",
         )
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from genlm_core.testing.models import random_lora
+
 #: Largest difference allowed between our row and vLLM's own logprobs (float32 summation order).
 TOLERANCE = 1e-3
 
@@ -116,18 +118,6 @@ class Line:
     detail: str = ""
 
 
-def _adapter(model: str, out: str) -> str:
-    """A random LoRA adapter for ``model`` (B not zero, so it really changes the model)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(5)
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(out)
-    return out
-
-
 async def particles(lm: Any, prompt: list[int], n: int, steps: int, seed: int = 0) -> list[tuple[list[int], Any]]:
     """A particle program: ``n`` particles extend ``prompt`` by sampling their rows; every 4th step
     they are resampled (uniformly: forks of live sessions). Returns every (context, row) it saw."""
@@ -183,7 +173,7 @@ def suite(
     base.update(options or {})
     lines: list[Line] = []
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = _adapter(model, tmp)
+        adapter = str(random_lora(model, tmp))
         hf = AsyncTransformer.from_name(model, batch_size=64)
         hf.load_lora(adapter, "a")
         contexts = contexts_for(hf.vocab_size, n=6)

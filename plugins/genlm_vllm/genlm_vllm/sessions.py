@@ -8,11 +8,15 @@ the same request id appends its prompt tokens (here: the caller's ``t``) in plac
 token, which is discarded. The continuation computes exactly the new tokens.
 
 Who continues what is decided by core's :class:`~genlm_core.lineage.LiveContexts` on exact token
-tuples: a live session is continued by at most one request of the next batch; other requests with
+tuples: a live session is continued by at most one request of a later batch; other requests with
 the same parent (forks after resampling) start sessions of their own whose full blocks come from
 vLLM's prefix cache and whose unfinished last block is copied from the parent's in the engine
-(:mod:`genlm_vllm.forks`), so they too compute only their new token; sessions nobody continued
-are aborted (their full blocks stay in the prefix cache). Every chunk also carries its context's
+(:mod:`genlm_vllm.forks`), so they too compute only their new token; a sibling that comes in a later
+batch than the one continuing the parent forks the session that moved past its context (it still
+holds that context's KV). A session nobody continued
+stays parked for :data:`MAX_IDLE_BATCHES` batches (a step's particles may come in several batches:
+the ``"eager"`` flush policy, or a program that awaits something else first), or until its slot or
+KV is needed; then it is aborted (its full blocks stay in the prefix cache). Every chunk also carries its context's
 length and hash, and the capture processor writes no row for a chunk whose context in the engine
 differs: a bookkeeping error becomes a missing-row error, never a wrong row.
 
@@ -26,15 +30,19 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from genlm_core import Request
-from genlm_core.lineage import Continuation, LiveContexts
+from genlm_core.lineage import Continuation, LineageKey, LiveContexts, nearest_prefix
 from genlm_vllm.capture import CONTEXT, context_fingerprint
 from genlm_vllm.forks import CONNECTOR, FORK
 from genlm_vllm.vllm_api import EngineCore, SamplingParams, prefill_counts
+
+#: Batches in a row a parked session may go unclaimed before it is aborted.
+MAX_IDLE_BATCHES = 4
 
 
 @dataclass
@@ -55,7 +63,11 @@ class Sessions:
 
     def __init__(self, llm: Any, lookback: int = 1):
         self.core = core = EngineCore.of(llm)
-        self.live: LiveContexts[str] = LiveContexts(lookback)
+        self.live: LiveContexts[str] = LiveContexts(lookback, keep_unclaimed=True, max_idle_batches=MAX_IDLE_BATCHES)
+        self.parked: dict[str, int] = {}  # live session -> tokens of KV it holds
+        #: per recent batch: context -> the session that continued past it (a fork source for later siblings)
+        self.moved: deque[dict[LineageKey, str]] = deque(maxlen=MAX_IDLE_BATCHES)
+        self.lookback = lookback
         self.stats = SessionStats()
         self.token_budget = core.token_budget
         # Parked sessions hold a scheduler slot and KV blocks that vLLM cannot preempt. Keep one slot
@@ -73,7 +85,13 @@ class Sessions:
         """Compute one row per request (captured by its ``extra_args``' tag), continuing live
         sessions where a request extends one; on return the batch's sessions are the live ones."""
         plan, released = self.live.plan(requests)
-        self.core.abort(released)
+        moved: dict[LineageKey, str] = {}
+        for request, c in zip(requests, plan, strict=True):
+            if c is not None and not c.fork:
+                self.parked.pop(c.handle, None)  # continued by this batch: no longer parked
+                moved[(request.adapter, request.token_ids[: -len(c.new_tokens)])] = c.handle
+        released += self._make_room(requests)
+        self._abort(released)
         self.stats.batches += 1
         chunks: dict[str, int] = {}  # request id -> index in the batch
         resumable: list[bool] = []
@@ -82,12 +100,48 @@ class Sessions:
             failed = self._wait(chunks, sum(len(r.token_ids) for r in requests))
         except BaseException:  # nothing of this batch may stay parked in the engine
             self.core.abort([*chunks, *(c.handle for c in plan if c is not None)])
+            self._abort(self.live.release_all())
+            self.moved.clear()
             raise
         self.stats.rows += len(requests)
+        self.moved.append(moved)
         self.core.abort([rid for rid, i in chunks.items() if resumable[i] and rid in failed])
         for rid, i in chunks.items():
             if resumable[i] and rid not in failed:
-                self.live.keep(requests[i], rid)
+                before = self.live.keep(requests[i], rid)
+                self.parked[rid] = len(requests[i].token_ids)
+                if before is not None:
+                    self._abort([before])
+
+    def _moved_past(self, request: Request) -> str | None:
+        """A session of a recent batch that continued past a context ``request`` extends (its sibling's),
+        newest first; the fork connector checks that it still holds exactly that context."""
+
+        def lookup(prefix: tuple[int, ...]) -> str | None:
+            key = (request.adapter, prefix)
+            return next((batch[key] for batch in reversed(self.moved) if key in batch), None)
+
+        hit = nearest_prefix(lookup, request.token_ids, self.lookback, shortest_cut=1)
+        return None if hit is None else hit[1]
+
+    def _make_room(self, requests: Sequence[Request]) -> list[str]:
+        """The parked sessions to abort, oldest first, so that this batch's chunks find a scheduler slot
+        and KV each beside the sessions that stay parked."""
+        slots = self.max_live - len(requests)
+        kv = self.kv_budget - sum(len(r.token_ids) + self.block_size for r in requests)
+        evicted = []
+        while self.parked and (len(self.parked) > slots or sum(self.parked.values()) > kv):
+            victim = self.live.evict()
+            if victim is None:
+                break
+            evicted.append(victim)
+            self.parked.pop(victim, None)
+        return evicted
+
+    def _abort(self, handles: Sequence[str]) -> None:
+        for rid in handles:
+            self.parked.pop(rid, None)
+        self.core.abort(list(handles))
 
     def _submit(
         self,
@@ -99,7 +153,7 @@ class Sessions:
         resumable: list[bool],
     ) -> None:
         """Add one chunk per request to the engine (filling ``chunks`` and ``resumable`` as it goes)."""
-        live_slots, kv_left = self.max_live, self.kv_budget
+        live_slots, kv_left = self.max_live - len(self.parked), self.kv_budget - sum(self.parked.values())
         for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
             kv = len(request.token_ids) + self.block_size
             args = {**extra_args[i], CONTEXT: context_fingerprint(request.token_ids)}
@@ -110,8 +164,9 @@ class Sessions:
             else:
                 rid, tokens = f"genlm-{self._prefix}-{next(self._ids)}", request.token_ids
                 keep = live_slots > 0 and kv <= kv_left
-                if continuation is not None and self.forks:
-                    args[FORK] = continuation.handle  # share the parent's unfinished block
+                parent = continuation.handle if continuation is not None else self._moved_past(request)
+                if parent is not None and self.forks:
+                    args[FORK] = parent  # share the parent's unfinished block
             if keep:
                 live_slots, kv_left = live_slots - 1, kv_left - kv
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
@@ -145,4 +200,5 @@ class Sessions:
     def release_all(self) -> None:
         """Abort every live session (before anything else uses the engine: a parked session keeps
         ``LLM.generate`` from ever seeing an idle engine)."""
-        self.core.abort(self.live.release_all())
+        self._abort(self.live.release_all())
+        self.moved.clear()
