@@ -411,6 +411,17 @@ class AutoBatcher(Generic[T, R]):
         self._pending, self._running, self._launched = {}, {}, None
         self._worker, self._full = None, None
 
+    def queued(self) -> list[T]:
+        """The items queued and not yet handed to the batch function, oldest first."""
+        return [job.item for job in self._pending.values()]
+
+    def release(self) -> None:
+        """Stop the worker thread, if one was started, without closing: a later batch starts a new one
+        (a batch still computing finishes first)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
     def close(self) -> None:
         """Stop for good: queued and running requests fail with ClosedError, and so does every
         later submit; the worker thread, if one was started, is stopped. Calling it again is harmless."""

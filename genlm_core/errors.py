@@ -7,8 +7,9 @@ class GenlmError(Exception):
     """Base class of every genlm error."""
 
 
-class BackendNotFoundError(GenlmError, LookupError):
-    """A backend or trie engine was asked for by a name no installed plugin provides."""
+class BackendNotFoundError(GenlmError, LookupError, ValueError):
+    """A backend or trie engine was asked for by a name no installed plugin provides (also a
+    ``ValueError``, what genlm-backend raises for an unknown backend)."""
 
 
 class PluginConflictError(GenlmError):

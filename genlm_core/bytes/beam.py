@@ -37,15 +37,16 @@ class BeamParams:
 
     ``K``: beam width. ``prune_threshold``: drop hypotheses whose share of the beam's mass is at most
     this. ``verbose``: log the beam after every byte (logger ``genlm_core.bytes.beam``, INFO).
-    ``eos_byte_strings``: the tokens that end the text (a list of byte strings, ``Token`` objects or
-    token ids; a byte string means every token with those bytes); None means none, so the text never
-    ends. ``heal``: re-tokenize when no hypothesis can take the next byte, backing off at most
-    ``heal_max_backoff`` bytes and committing at most ``heal_max_splits`` extra tokens.
+    ``eos_byte_strings``: the tokens that end the text (byte strings, ``Token`` objects or token ids;
+    a byte string means every token with those bytes), kept as a set as genlm-bytes does; None or an
+    empty set means none, so the text never ends. ``heal``: re-tokenize when no hypothesis can take
+    the next byte, backing off at most ``heal_max_backoff`` bytes and committing at most
+    ``heal_max_splits`` extra tokens.
     ``eos_tokens``: genlm-bytes' older name for ``eos_byte_strings`` (DeprecationWarning).
 
     Every field is checked at construction: ``K`` an integer >= 1, ``prune_threshold`` in
-    ``[0, 1)``, the healing limits None or integers >= 0, the EOS tokens a list (a bare ``b"</s>"``
-    would be read as four token ids, so it is a TypeError).
+    ``[0, 1)``, the healing limits None or integers >= 0, the EOS tokens a collection (a bare
+    ``b"</s>"`` would be read as four token ids, so it is a TypeError).
     """
 
     K: int
@@ -69,11 +70,12 @@ class BeamParams:
                 setattr(self, name, check_int(value, name, 0))
         if self.eos_tokens is not None:
             if self.eos_byte_strings is not None:
-                raise TypeError("give eos_byte_strings or its older name eos_tokens, not both")
-            warnings.warn("BeamParams: eos_tokens is deprecated; use eos_byte_strings", DeprecationWarning, 2)
+                raise TypeError(
+                    "Cannot specify both 'eos_byte_strings' and the deprecated 'eos_tokens' (its older name)"
+                )
+            warnings.warn("BeamParams: 'eos_tokens' is deprecated; use 'eos_byte_strings'", DeprecationWarning, 2)
             self.eos_byte_strings, self.eos_tokens = self.eos_tokens, None
-        if self.eos_byte_strings is not None:
-            self.eos_byte_strings = check_eos_tokens(self.eos_byte_strings)
+        self.eos_byte_strings = eos_set(check_eos_tokens(self.eos_byte_strings or []))
         self.log_prune_threshold = math.log(self.prune_threshold) if self.prune_threshold > 0 else -math.inf
 
 
@@ -94,6 +96,13 @@ def check_eos_tokens(eos_tokens: Any) -> list[Any]:
         else:
             raise TypeError(f"eos_byte_strings entries must be Tokens, token ids or byte strings, got {t!r}")
     return out
+
+
+def eos_set(tokens: list[Any]) -> set[Any]:
+    """EOS tokens as a set, as genlm-bytes keeps them. A ``Token`` equals its plain bytes, so plain byte
+    strings go in first: a Token whose bytes are listed plainly too (every token with them) adds nothing."""
+    plain = [t for t in tokens if type(t) in (bytes, bytearray)]
+    return {bytes(t) for t in plain} | {t for t in tokens if type(t) not in (bytes, bytearray) and t not in plain}
 
 
 def eos_spec(lm: AsyncLM, eos_tokens: Iterable[Any] | None) -> tuple[list[int], list[bytes]]:
@@ -184,14 +193,14 @@ class ByteBeamState:
         advanced = [n for s in self.states if (n := s << b) is not None]
         log_z = float(logsumexp([s.weight for s in advanced])) if advanced else -math.inf
         advanced += [n for e in await self.extend(log_z) if (n := e << b) is not None]
-        beam = ByteBeamState(advanced, self.params, self.trie)
+        beam = type(self)(advanced, self.params, self.trie)
         if not beam.states and self.params.heal and b != EOS:
             healer = TokenHealer(self.params.heal_max_backoff, self.params.heal_max_splits)
             for state in self.states:
                 healed = await healer.try_heal(state, b)
                 if healed is not None:
                     log.info("healed the beam at byte %r", bytes([b]))
-                    beam = ByteBeamState([healed], self.params, self.trie)
+                    beam = type(self)([healed], self.params, self.trie)
                     break
         if self.params.verbose:
             log.info("after %r:\n%r", bytes([b]) if b < 256 else "EOS", beam)
@@ -215,10 +224,10 @@ class ByteBeamState:
         """The ``K`` heaviest hypotheses whose share of the mass is above the threshold."""
         log_z = self.logZ
         kept = [s for s in self.states if s.weight - log_z > self.params.log_prune_threshold][: self.params.K]
-        return ByteBeamState(kept, self.params, self.trie)
+        return type(self)(kept, self.params, self.trie)
 
     def with_mode(self, mode: TrieMode) -> ByteBeamState:
-        return ByteBeamState([s.with_mode(mode) for s in self.states], self.params, self.trie)
+        return type(self)([s.with_mode(mode) for s in self.states], self.params, self.trie)
 
     async def _materialized(self) -> ByteBeamState:
         await asyncio.gather(*(s.materialize() for s in self.states))

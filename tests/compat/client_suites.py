@@ -70,6 +70,17 @@ FLAKY_ON_SEED = {
     "genlm-control::tests.potential.test_duplicate_byte_strings::test_smc_with_fewer_logits[EleutherAI/llemma_7b]",
     "genlm-control::tests.potential.test_duplicate_byte_strings::test_smc_with_fewer_logits[codellama/CodeLlama-7b-hf]",
 }
+#: Tests that pass on the seeds but read the seed's private state, which genlm does not have: each is
+#: listed with this reason in docs/migration.md ("Tests of the seeds' private state").
+PRIVATE_STATE = {
+    f"genlm-backend::tests.test_hf_llm::{name}": reason
+    for name, reason in {
+        "test_caching": "walks genlm-backend's KV-cache trie (`_caches`, its nodes' `has_token`/`get_token`)",
+        "test_cache_operations": "calls `walk_cache`, which walks genlm-backend's `_caches` trie, and prints it",
+        "test_cache_kv": "reads `past_key_values` off a `_caches` trie node found by `walk_cache`",
+        "test_walk_cache_with_past": "reads the `(node, index, past, base)` of a `walk_cache` over `_caches`",
+    }.items()
+}
 HERE = Path(__file__).parent
 SEED_PASSING = HERE / "seed_passing.txt"
 
@@ -144,8 +155,8 @@ def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
 def main(names: list[str]) -> None:
     """Run ``names`` (default: every suite) on the seeds and on genlm; rewrite their lines of ``seed_passing.txt``."""
     names = names or list(CLIENTS)
-    before = SEED_PASSING.read_text().split() if SEED_PASSING.exists() else []
-    kept = [t for t in before if t.split("::")[0] not in names]
+    before = SEED_PASSING.read_text().splitlines() if SEED_PASSING.exists() else []
+    kept = [t for t in before if "::" in t and t.split("::")[0] not in names]
     passing, rows = [], []
     for name in names:
         results = {}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from genlm_core import decode_vocab
+from genlm_core import Token, decode_vocab
 from genlm_core.bytes import AsyncTokenByteTrie, BeamParams, TokenByteTrie, TrieMode
 from genlm_core.closing import Closed
 from genlm_core.errors import BatcherError, ClosedError
@@ -163,12 +163,18 @@ async def test_byte_trie_weight_max_matches_brute_force(toy_tok):
 
 
 def test_beam_params_follow_genlm_bytes():
-    """Field order and defaults of genlm-bytes: eos_byte_strings None means no EOS."""
-    p = BeamParams(5, 0.1, True, [b"<eos>"])
-    assert (p.K, p.prune_threshold, p.verbose, p.eos_byte_strings) == (5, 0.1, True, [b"<eos>"])
-    assert BeamParams(3).eos_byte_strings is None and BeamParams(3).heal
-    with pytest.warns(DeprecationWarning, match="eos_byte_strings"):
+    """Field order and defaults of genlm-bytes: the EOS tokens kept as a set (None: the empty set, no EOS)."""
+    p = BeamParams(5, 0.1, True, [b"<eos>", b"<eos>"])
+    assert (p.K, p.prune_threshold, p.verbose, p.eos_byte_strings) == (5, 0.1, True, {b"<eos>"})
+    assert BeamParams(3).eos_byte_strings == set() and BeamParams(3).heal
+    with pytest.warns(DeprecationWarning, match="eos_tokens.*deprecated"):
         old = BeamParams(3, eos_tokens=[b"<eos>"])
-    assert old.eos_byte_strings == [b"<eos>"] and old.eos_tokens is None
-    with pytest.raises(TypeError, match="not both"):
+    assert old.eos_byte_strings == {b"<eos>"} and old.eos_tokens is None
+    with pytest.raises(TypeError, match="Cannot specify both"):
         BeamParams(3, eos_byte_strings=[b"a"], eos_tokens=[b"b"])
+    # A Token is its bytes plus an id: beside the same bytes listed plainly (every token with them) it
+    # adds nothing; alone, it keeps its id; ids stay ids.
+    eos = Token(7, b"a")
+    assert BeamParams(3, eos_byte_strings=[eos, b"a", 9]).eos_byte_strings == {b"a", 9}
+    kept = BeamParams(3, eos_byte_strings=[eos]).eos_byte_strings
+    assert kept == {eos} and next(iter(kept)).token_id == 7

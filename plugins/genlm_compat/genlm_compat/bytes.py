@@ -14,6 +14,7 @@ from typing import Any
 from genlm_compat.lm import CompatLM
 from genlm_core import AsyncLM
 from genlm_core.bytes import BeamParams, ByteBeamState
+from genlm_core.closing import CLOSED, Closed
 
 PARAM_FIELDS = ("K", "prune_threshold", "verbose", "eos_byte_strings", "heal", "heal_max_backoff", "heal_max_splits")
 
@@ -29,7 +30,9 @@ def beam_params(params: Any) -> BeamParams:
 
 class CompatByteBeamState(ByteBeamState):
     """genlm's :class:`ByteBeamState`, built from genlm-bytes' arguments: a wrapped model (or any genlm
-    ``AsyncLM``) and genlm-bytes' ``BeamParams``."""
+    ``AsyncLM``) and genlm-bytes' ``BeamParams``. Every beam it leads to is of this class (``prune``,
+    ``<<``, ``prefill``), and ``cleanup()`` does what genlm-bytes' does: it stops the byte trie's worker,
+    and a later call on the beam starts it again (genlm's own beams refuse every call once closed)."""
 
     @classmethod
     async def initial(  # type: ignore[override]  # genlm-bytes' signature
@@ -38,4 +41,10 @@ class CompatByteBeamState(ByteBeamState):
         lm = llm.genlm_lm if isinstance(llm, CompatLM) else llm
         if not isinstance(lm, AsyncLM):
             raise TypeError(f"genlm's byte LM needs a genlm model (genlm_compat.wrap(...)), got {type(llm).__name__}")
-        return await ByteBeamState.initial(lm, beam_params(params), trie_opts, **kwargs)
+        return await super().initial(lm, beam_params(params), trie_opts, **kwargs)
+
+    def cleanup(self) -> Closed:
+        """Stop the byte trie's worker thread (genlm-bytes' ``await beam.cleanup()``); the beam stays usable."""
+        if self.trie is not None:
+            self.trie.release()
+        return CLOSED

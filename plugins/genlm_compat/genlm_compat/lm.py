@@ -13,6 +13,7 @@ from genlm.backend.tokenization import Token as SeedToken
 
 from genlm_core import AsyncLM
 from genlm_core.closing import Closed
+from genlm_core.validation import check_batcher_numbers
 
 #: genlm backend name -> the genlm-backend class its wrapper subclasses (for llamppl's isinstance checks).
 SEED_CLASSES = {
@@ -144,7 +145,60 @@ class CompatLM:
         self.genlm_lm.clear_kv_cache()
 
     def reset_async_queries(self) -> None:
+        for task in self.__dict__.pop("_added", ()):
+            task.cancel()  # as genlm-backend: a query dropped before it ran leaves its future pending
         self.genlm_lm.reset_async_queries()
+
+    # ---- genlm-backend's batching attributes --------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Most requests in one batch (the model's batcher; settable, as on genlm-backend)."""
+        return self.genlm_lm.batcher.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        batcher = self.genlm_lm.batcher
+        batcher.batch_size, _ = check_batcher_numbers(value, batcher.timeout)
+
+    @property
+    def timeout(self) -> float:
+        """Seconds the oldest queued request waits at most for its batch (settable, as on genlm-backend)."""
+        return self.genlm_lm.batcher.timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        batcher = self.genlm_lm.batcher
+        _, batcher.timeout = check_batcher_numbers(batcher.batch_size, value)
+
+    @property
+    def queries(self) -> list[Any]:
+        """The requests queued and not yet computed (genlm-backend's queue)."""
+        added = [t for t in self.__dict__.get("_added", ()) if not t.done()]
+        return [*self.genlm_lm.batcher.queued(), *added]
+
+    @queries.setter
+    def queries(self, value: list[Any]) -> None:
+        if len(value):
+            raise TypeError("genlm_compat: the queue can only be emptied (queries = []); submit with add_query")
+        self.reset_async_queries()
+
+    def add_query(self, query: Sequence[int], future: asyncio.Future[Any], past: Any = None) -> None:
+        """Queue ``query``; its row is set on ``future`` (genlm-backend's ``AsyncTransformer.add_query``;
+        ``past`` is ignored: genlm finds reusable KV itself)."""
+
+        def deliver(task: asyncio.Task[torch.Tensor]) -> None:
+            self.__dict__.get("_added", set()).discard(task)
+            if future.done() or task.cancelled():
+                return
+            if task.exception() is not None:
+                future.set_exception(task.exception())  # type: ignore[arg-type]
+            else:
+                future.set_result(task.result())
+
+        task = asyncio.ensure_future(self.genlm_lm.next_token_logprobs(query))
+        self.__dict__.setdefault("_added", set()).add(task)
+        task.add_done_callback(deliver)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:
         """Compute ``prompt_tokens`` now, so that later contexts extending it reuse its work."""
