@@ -16,8 +16,8 @@ engine, ours, ...), every cache cleared before each:
 
 Beside the times: rows the model computed per step, tokens it ran per step (vLLM: continued
 sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count), tokens vLLM's
-prefix cache served, and tokens forks copied from their parent's unfinished block
-(:mod:`genlm_vllm.forks`).
+prefix cache served, tokens forks copied from their parent's unfinished block
+(:mod:`genlm_vllm.forks`), and the share of the run in which the model was computing.
 
     python benchmarks/bench_smc.py [--backends vllm,hf,llamacpp] [--rounds 3] [--n 32] [--steps 32,64]
     python benchmarks/bench_smc.py --versus hf,llamacpp   # the same SMC on two backends, interleaved
@@ -122,16 +122,18 @@ class Engine:
         gc.collect()
 
 
-def counters(lm: Any, backend: str) -> dict[str, int]:
+def counters(lm: Any, backend: str) -> dict[str, float]:
+    busy = {"busy": lm.batcher.stats.busy_seconds}  # the model's computing time
     if backend == "vllm":
         if lm.driver.sessions is None:  # live_sessions=False: rows only
-            return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0, "copied": 0}
+            return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0, "copied": 0, **busy}
         s = lm.driver.sessions.stats
-        return {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached, "copied": s.tokens_copied}
+        work = {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached, "copied": s.tokens_copied}
+        return {**work, **busy}
     if backend.startswith("llamacpp"):
         q = lm.sequences.stats
-        return {"rows": q.rows, "computed": q.tokens_computed, "cached": 0, "copied": q.tokens_copied}
-    return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0, "copied": 0}
+        return {"rows": q.rows, "computed": q.tokens_computed, "cached": 0, "copied": q.tokens_copied, **busy}
+    return {"rows": lm.batcher.stats.items, "computed": lm.tokens_computed, "cached": 0, "copied": 0, **busy}
 
 
 def run_case(
@@ -155,6 +157,7 @@ def run_case(
             times["engine"].append(t_engine)
             times["ours"].append(t_ours)
             work = {k: (after[k] - before[k]) / steps for k in after}
+            work["busy"] = (after["busy"] - before["busy"]) / t_ours  # share of the run the model computed
     ratios = [o / e for o, e in zip(times["ours"], times["engine"], strict=True)]
     return statistics.median(times["engine"]), statistics.median(times["ours"]), ratios, work
 
@@ -199,6 +202,7 @@ def main() -> None:
                             f"{work['computed']:.1f}",
                             f"{work['cached']:.0f}",
                             f"{work['copied']:.0f}",
+                            f"{work['busy']:.0%}",
                         ]
                     )
                     print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
@@ -206,7 +210,7 @@ def main() -> None:
         del lm, engine
         gc.collect()
     header = ["backend", "prompt", "T", "constraint", "engine decode", "SMC (ours)", "ratio", "spread"]
-    work = ["rows/step", "tokens run/step", "prefix-cache tokens/step", "fork-copied tokens/step"]
+    work = ["rows/step", "tokens run/step", "prefix-cache tokens/step", "fork-copied tokens/step", "engine busy"]
     print(table([*header, *work], rows))
     blas = ", mlx with OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else ""
     resampling = f"resampling below ESS {args.ess} N" if args.ess > 0 else "no resampling"

@@ -75,7 +75,8 @@ class BeamParams:
                 )
             warnings.warn("BeamParams: 'eos_tokens' is deprecated; use 'eos_byte_strings'", DeprecationWarning, 2)
             self.eos_byte_strings, self.eos_tokens = self.eos_tokens, None
-        self.eos_byte_strings = eos_set(check_eos_tokens(self.eos_byte_strings or []))
+        given = self.eos_byte_strings
+        self.eos_byte_strings = eos_set(check_eos_tokens(given) if given is not None else [])
         self.log_prune_threshold = math.log(self.prune_threshold) if self.prune_threshold > 0 else -math.inf
 
 

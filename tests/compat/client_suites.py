@@ -67,6 +67,8 @@ STAND_INS = {"genlm-backend"}
 #: there in some runs here (test_smc_with_fewer_logits: 1 of 3 runs with GENLM_COMPAT=off). They are run,
 #: but not required.
 FLAKY_ON_SEED = {
+    # A hypothesis property over random text: "000000000" fails it on genlm-backend too (found in a CI run).
+    "genlm-control::tests.potential.test_canonical::test_example",
     "genlm-control::tests.potential.test_duplicate_byte_strings::test_smc_with_fewer_logits[EleutherAI/llemma_7b]",
     "genlm-control::tests.potential.test_duplicate_byte_strings::test_smc_with_fewer_logits[codellama/CodeLlama-7b-hf]",
 }
