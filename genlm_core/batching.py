@@ -199,7 +199,6 @@ class AutoBatcher(Generic[T, R]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[Hashable, _Job] = {}
         self._running: dict[Hashable, _Job] = {}
-        self._launched: tuple[list[_Job], asyncio.Future[Sequence[Any]]] | None = None  # the batch computing
         self._held_back = 0  # "eager": requests of a split queue left for the next batch
         self._worker: asyncio.Task[None] | None = None
         self._full: asyncio.Future[None] | None = None
@@ -263,15 +262,12 @@ class AutoBatcher(Generic[T, R]):
             self._full = None
 
     async def _work(self) -> None:
-        """The worker task: flush batches while requests are queued, and finish each one launched."""
+        """The worker task: flush batches while requests are queued."""
         try:
-            while self._pending or self._launched is not None:
-                if self._launched is None:
-                    batch = await self._next_batch()
-                    if batch and self._launched is None:
-                        self._launch(batch)
-                if self._launched is not None:
-                    await self._finish()
+            while self._pending:
+                batch = await self._next_batch()
+                if batch:
+                    await self._finish(batch, self._launch(batch))
         except Exception as exc:  # a bug of ours: fail everyone now rather than leave them waiting
             log.error("%s: batch worker stopped: %r", self.name, exc, exc_info=exc)
             error = BatcherError(f"{self.name}: the batch worker stopped on an unexpected error: {exc!r}")
@@ -279,17 +275,17 @@ class AutoBatcher(Generic[T, R]):
             self._failure = error
             for job in [*self._pending.values(), *self._running.values()]:
                 job.resolve(Failed(error))
-            self._pending, self._running, self._launched = {}, {}, None
+            self._pending, self._running = {}, {}
         finally:
             if self._worker is asyncio.current_task():
                 self._worker = None
 
     async def _next_batch(self) -> list[_Job]:
         """The flush policy (:data:`FlushPolicy`): wait until a batch is due, then take up to
-        ``batch_size`` queued requests, oldest first ([] if a submit launched one meanwhile)."""
+        ``batch_size`` queued requests, oldest first."""
         loop = asyncio.get_running_loop()
         quiet_passes = 0  # event-loop passes that queued nothing new (where the loop cannot say it is idle)
-        while self._pending and self._launched is None:
+        while self._pending:
             if self.flush == "eager" and (self.run_in_thread or self._is_async):
                 self.stats.eager_flushes += 1  # the model is free: no reason to wait
                 queued = min(len(self._pending), self.batch_size)
@@ -318,15 +314,15 @@ class AutoBatcher(Generic[T, R]):
                 quiet_passes = quiet_passes + 1 if len(self._pending) == queued else 0
                 continue
             await self._wait_until_full(delay)
-        return [] if self._launched is not None else self._take()
+        return self._take()
 
     def _take(self, limit: int | None = None) -> list[_Job]:
         keys = list(self._pending)[: min(limit or self.batch_size, self.batch_size)]
         return [self._pending.pop(k) for k in keys]
 
-    def _launch(self, batch: list[_Job]) -> None:
-        """Start computing ``batch`` (in the worker thread, or as a task for a coroutine function;
-        an inline batch function runs when the worker awaits it)."""
+    def _launch(self, batch: list[_Job]) -> asyncio.Future[Sequence[Any]]:
+        """Start computing ``batch``: in the worker thread, or as a task for a coroutine function (an
+        inline batch function runs here, at once). The future of its results."""
         self._running.update((job.key, job) for job in batch)
         loop = asyncio.get_running_loop()
         items = [job.item for job in batch]
@@ -343,7 +339,7 @@ class AutoBatcher(Generic[T, R]):
                 computing.set_result(self._timed(items))
             except Exception as exc:
                 computing.set_exception(exc)
-        self._launched = (batch, computing)
+        return computing
 
     def _timed(self, items: list[T]) -> Sequence[Any]:
         start = time.perf_counter()
@@ -359,10 +355,8 @@ class AutoBatcher(Generic[T, R]):
         finally:
             self.stats.busy_seconds += time.perf_counter() - start
 
-    async def _finish(self) -> None:
-        """Wait for the launched batch and resolve its waiters (a failure fails this batch only)."""
-        assert self._launched is not None
-        batch, computing = self._launched
+    async def _finish(self, batch: list[_Job], computing: asyncio.Future[Sequence[Any]]) -> None:
+        """Wait for ``batch``'s results and resolve its waiters (a failure fails this batch only)."""
         try:
             results = await computing
             if len(results) != len(batch):
@@ -382,7 +376,6 @@ class AutoBatcher(Generic[T, R]):
             for job, result in zip(batch, results):
                 job.resolve(result)
         finally:
-            self._launched = None
             for job in batch:
                 if self._running.get(job.key) is job:
                     del self._running[job.key]
@@ -408,7 +401,7 @@ class AutoBatcher(Generic[T, R]):
 
     def _bind_fresh(self) -> None:
         self._loop = None
-        self._pending, self._running, self._launched = {}, {}, None
+        self._pending, self._running = {}, {}
         self._worker, self._full = None, None
 
     def queued(self) -> list[T]:
@@ -428,7 +421,7 @@ class AutoBatcher(Generic[T, R]):
         self.closed = True
         for job in [*self._pending.values(), *self._running.values()]:
             job.resolve(Failed(ClosedError(f"{self.name} was closed (cleanup() was called)")))
-        self._pending, self._running, self._launched = {}, {}, None
+        self._pending, self._running = {}, {}
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

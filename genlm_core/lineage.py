@@ -117,6 +117,10 @@ class LiveContexts(Generic[H]):
         self._idle[key] = 0
         return before if before != handle else None
 
+    def contexts(self) -> list[LineageKey]:
+        """The live sequences' ``(adapter, token ids)``, kept longest ago first (the order of :meth:`evict`)."""
+        return list(self._live)
+
     def evict(self) -> H | None:
         """Forget the live sequence kept longest ago and return its handle (to release), or None."""
         if not self._live:

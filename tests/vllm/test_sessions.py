@@ -209,7 +209,7 @@ def test_a_step_split_across_batches_still_continues_every_session(engine):
     for _ in range(MAX_IDLE_BATCHES + 1):  # batches that continue nothing: the 8 sessions expire
         engine.cache.clear()
         engine.next_token_logprobs_sync([5, 6, 7])
-    assert len(engine.driver.sessions.parked) == 1  # only [5, 6, 7]'s own session
+    assert len(engine.driver.sessions.live) == 1  # only [5, 6, 7]'s own session is parked
     check_rows(engine, seen)
 
 

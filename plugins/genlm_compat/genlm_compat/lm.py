@@ -60,6 +60,7 @@ class CompatLM:
         self.tokenizer = lm.tokenizer
         self.byte_vocab = [SeedToken(int(t.token_id), bytes(t)) for t in lm.byte_vocab]
         self.str_vocab = lm.str_vocab
+        self._added: set[asyncio.Task[torch.Tensor]] = set()  # add_query's requests still computing
 
     def __getattr__(self, name: str) -> Any:
         if name == "genlm_lm":  # not set yet: during unpickling or a failed __init__
@@ -145,8 +146,9 @@ class CompatLM:
         self.genlm_lm.clear_kv_cache()
 
     def reset_async_queries(self) -> None:
-        for task in self.__dict__.pop("_added", ()):
+        for task in self._added:
             task.cancel()  # as genlm-backend: a query dropped before it ran leaves its future pending
+        self._added.clear()
         self.genlm_lm.reset_async_queries()
 
     # ---- genlm-backend's batching attributes --------------------------------------------------------
@@ -174,8 +176,7 @@ class CompatLM:
     @property
     def queries(self) -> list[Any]:
         """The requests queued and not yet computed (genlm-backend's queue)."""
-        added = [t for t in self.__dict__.get("_added", ()) if not t.done()]
-        return [*self.genlm_lm.batcher.queued(), *added]
+        return [*self.genlm_lm.batcher.queued(), *(t for t in self._added if not t.done())]
 
     @queries.setter
     def queries(self, value: list[Any]) -> None:
@@ -188,7 +189,7 @@ class CompatLM:
         ``past`` is ignored: genlm finds reusable KV itself)."""
 
         def deliver(task: asyncio.Task[torch.Tensor]) -> None:
-            self.__dict__.get("_added", set()).discard(task)
+            self._added.discard(task)
             if future.done() or task.cancelled():
                 return
             if task.exception() is not None:
@@ -197,7 +198,7 @@ class CompatLM:
                 future.set_result(task.result())
 
         task = asyncio.ensure_future(self.genlm_lm.next_token_logprobs(query))
-        self.__dict__.setdefault("_added", set()).add(task)
+        self._added.add(task)
         task.add_done_callback(deliver)
 
     def cache_kv(self, prompt_tokens: Sequence[int], lora_name: str | None = None) -> None:

@@ -64,7 +64,6 @@ class Sessions:
     def __init__(self, llm: Any, lookback: int = 1):
         self.core = core = EngineCore.of(llm)
         self.live: LiveContexts[str] = LiveContexts(lookback, keep_unclaimed=True, max_idle_batches=MAX_IDLE_BATCHES)
-        self.parked: dict[str, int] = {}  # live session -> tokens of KV it holds
         #: per recent batch: context -> the session that continued past it (a fork source for later siblings)
         self.moved: deque[dict[LineageKey, str]] = deque(maxlen=MAX_IDLE_BATCHES)
         self.lookback = lookback
@@ -88,10 +87,9 @@ class Sessions:
         moved: dict[LineageKey, str] = {}
         for request, c in zip(requests, plan, strict=True):
             if c is not None and not c.fork:
-                self.parked.pop(c.handle, None)  # continued by this batch: no longer parked
                 moved[(request.adapter, request.token_ids[: -len(c.new_tokens)])] = c.handle
         released += self._make_room(requests)
-        self._abort(released)
+        self.core.abort(released)
         self.stats.batches += 1
         chunks: dict[str, int] = {}  # request id -> index in the batch
         resumable: list[bool] = []
@@ -100,7 +98,7 @@ class Sessions:
             failed = self._wait(chunks, sum(len(r.token_ids) for r in requests))
         except BaseException:  # nothing of this batch may stay parked in the engine
             self.core.abort([*chunks, *(c.handle for c in plan if c is not None)])
-            self._abort(self.live.release_all())
+            self.core.abort(self.live.release_all())
             self.moved.clear()
             raise
         self.stats.rows += len(requests)
@@ -109,9 +107,8 @@ class Sessions:
         for rid, i in chunks.items():
             if resumable[i] and rid not in failed:
                 before = self.live.keep(requests[i], rid)
-                self.parked[rid] = len(requests[i].token_ids)
                 if before is not None:
-                    self._abort([before])
+                    self.core.abort([before])
 
     def _moved_past(self, request: Request) -> str | None:
         """A session of a recent batch that continued past a context ``request`` extends (its sibling's),
@@ -125,23 +122,21 @@ class Sessions:
         return None if hit is None else hit[1]
 
     def _make_room(self, requests: Sequence[Request]) -> list[str]:
-        """The parked sessions to abort, oldest first, so that this batch's chunks find a scheduler slot
-        and KV each beside the sessions that stay parked."""
+        """The parked sessions (those :meth:`LiveContexts.plan` left live: nobody continued them) to abort,
+        oldest first, so that this batch's chunks find a scheduler slot and KV each beside those that stay."""
         slots = self.max_live - len(requests)
         kv = self.kv_budget - sum(len(r.token_ids) + self.block_size for r in requests)
+        sizes = [len(tokens) for _, tokens in self.live.contexts()]  # oldest first, as evict() goes
+        parked, held = len(sizes), sum(sizes)
         evicted = []
-        while self.parked and (len(self.parked) > slots or sum(self.parked.values()) > kv):
-            victim = self.live.evict()
-            if victim is None:
+        for size in sizes:
+            if parked <= slots and held <= kv:
                 break
+            victim = self.live.evict()
+            assert victim is not None  # sizes came from the live sessions
             evicted.append(victim)
-            self.parked.pop(victim, None)
+            parked, held = parked - 1, held - size
         return evicted
-
-    def _abort(self, handles: Sequence[str]) -> None:
-        for rid in handles:
-            self.parked.pop(rid, None)
-        self.core.abort(list(handles))
 
     def _submit(
         self,
@@ -153,7 +148,8 @@ class Sessions:
         resumable: list[bool],
     ) -> None:
         """Add one chunk per request to the engine (filling ``chunks`` and ``resumable`` as it goes)."""
-        live_slots, kv_left = self.max_live - len(self.parked), self.kv_budget - sum(self.parked.values())
+        held = sum(len(tokens) for _, tokens in self.live.contexts())  # KV of the sessions that stay parked
+        live_slots, kv_left = self.max_live - len(self.live), self.kv_budget - held
         for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
             kv = len(request.token_ids) + self.block_size
             args = {**extra_args[i], CONTEXT: context_fingerprint(request.token_ids)}
@@ -200,5 +196,5 @@ class Sessions:
     def release_all(self) -> None:
         """Abort every live session (before anything else uses the engine: a parked session keeps
         ``LLM.generate`` from ever seeing an idle engine)."""
-        self._abort(self.live.release_all())
+        self.core.abort(self.live.release_all())
         self.moved.clear()
