@@ -1,13 +1,15 @@
 """Automatic KV reuse, framework-agnostic: which states to reuse and how a batch is laid out.
 
 A backend that keeps KV states (transformers, MLX, ...) mixes in :class:`KVReuse` and implements
-two tensor operations: :meth:`KVReuse.gather_past` (lay out the batch's cached prefixes) and
-:meth:`KVReuse.forward_new` (run the new tokens, return last-position logits and the new block).
+one tensor operation, :meth:`KVReuse.forward_new`: lay out the batch's cached prefixes, run the new
+tokens, return last-position logits and the new block.
 
 Layout of one batch: each row's cached prefix comes from some earlier *block* (the KV states one
 forward pass produced, with a mask of which positions hold real tokens). Blocks are right-aligned
 in a past of ``past_length`` positions; new tokens are left-padded to ``width`` so every row ends
-at the last position. Real positions are explicit and a mask hides every pad, so holes are harmless.
+at the last position. Real positions are explicit and a mask hides every pad, so holes are harmless
+to the result; they cost time, and they pile up when blocks are extended again and again (a byte
+beam's prefill), so a backend squeezes them out when :meth:`BatchPlan.worth_compacting` says so.
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ class KVReuseOptions(BackendOptions):
 class KVBlock:
     """The KV states one forward pass produced: per layer ``(keys, values)`` arrays of shape
     ``[rows, heads, length, head_dim]`` (torch, MLX, ...), and ``mask[row, position]``: whether that
-    position holds a real token of the row (pads and holes are False)."""
+    position holds a real token of the row (pads and holes are False). ``host_mask`` is the same mask
+    as a numpy array, for backends that lay out pasts from it (those that pack shared tokens)."""
 
-    __slots__ = ("kv", "mask", "nbytes")
+    __slots__ = ("host_mask", "kv", "mask", "nbytes")
 
-    def __init__(self, kv: list[tuple[Any, Any]], mask: Any):
+    def __init__(self, kv: list[tuple[Any, Any]], mask: Any, host_mask: np.ndarray | None = None):
         self.kv = kv
         self.mask = mask
+        self.host_mask = host_mask
         self.nbytes = int(sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes)
 
     @property
@@ -68,13 +72,40 @@ class KVBlock:
         return int(self.mask.shape[1])
 
 
+#: Where a cached sequence's states are: ``(block, row)`` when they are every real position of that
+#: row, or ``(block, row, columns)`` when the row is packed with other sequences and only ``columns``
+#: (ascending) are this sequence's.
+Entry = tuple[Any, ...]
+
+
 @dataclass
 class KVRow:
-    """One sequence of the batch: ``ids[:done]`` have states in ``entry`` (block, row), the rest are new."""
+    """One row of the batch: ``ids[:done]`` have states in ``entry``, the rest are new.
+
+    A *packed* row holds several sequences that share ``ids[:done]`` and more: its new tokens are a
+    tree, ``tree = (tokens, parents)`` with ``parents[j]`` the index of token ``j``'s parent among
+    ``tokens`` (-1: the cached prefix), parents first. ``ids`` is then the shared prefix alone.
+    """
 
     ids: tuple[int, ...]
     done: int = 0
-    entry: tuple[Any, int] | None = None
+    entry: Entry | None = None
+    tree: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    @property
+    def new(self) -> tuple[int, ...]:
+        """The tokens this row runs through the model."""
+        return self.tree[0] if self.tree is not None else self.ids[self.done :]
+
+    def ancestors(self, j: int) -> list[int]:
+        """Indices among :attr:`new` of token ``j`` and the new tokens before it in its sequence."""
+        if self.tree is None:
+            return list(range(j + 1))
+        chain = []
+        while j >= 0:
+            chain.append(j)
+            j = self.tree[1][j]
+        return chain[::-1]
 
 
 @dataclass
@@ -88,44 +119,116 @@ class BatchPlan:
     #: source block -> (block, batch rows, rows in that block), in first-use order
     groups: list[tuple[Any, list[int], list[int]]] = field(default_factory=list)
     past_length: int = 0
+    #: per batch row: the columns of its source row that are its past (None: all real ones)
+    columns: list[np.ndarray | None] = field(default_factory=list)
+    #: (batch row, column) of every logits row wanted, in order; default: each row's last column
+    outputs: list[tuple[int, int]] = field(default_factory=list)
+    #: bool [batch, width, width]: which new tokens each new token sees (packed rows); None: causal
+    tree: np.ndarray | None = None
 
     @property
     def width(self) -> int:
         return int(self.input_ids.shape[1])
 
     def reuses_whole_block(self) -> Any | None:
-        """The block whose rows are exactly this batch's rows, in order (its states need no copy)."""
-        if len(self.groups) == 1:
+        """The block whose rows are exactly this batch's pasts, in order (its states need no copy)."""
+        if len(self.groups) == 1 and all(c is None for c in self.columns):
             block, dst, src = self.groups[0]
             if len(dst) == len(self.rows) and src == list(range(len(src))) and block.rows == len(src):
                 return block
         return None
 
-    def reuses_one_block(self) -> bool:
-        """Every row extends a row of the same block (rows may repeat or be reordered)."""
-        return len(self.groups) == 1 and len(self.groups[0][1]) == len(self.rows)
+    @property
+    def real_past_length(self) -> int:
+        """The longest cached prefix among the rows: the past's length with every hole squeezed out."""
+        return max((r.done for r in self.rows if r.entry is not None), default=0)
+
+    def worth_compacting(self) -> bool:
+        """Whether holes (pads of earlier batches) are over a quarter of the past: then copying the
+        rows' real positions into a dense past costs less than attending over the holes again."""
+        holes = self.past_length - self.real_past_length
+        return holes > max(8, self.past_length // 4)
 
 
-def plan_batch(rows: list[KVRow]) -> BatchPlan:
-    """Lay out ``rows`` (each with at least one new token) as one batch."""
-    width = max(len(r.ids) - r.done for r in rows)
+def plan_batch(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) -> BatchPlan:
+    """Lay out ``rows`` (each with at least one new token) as one batch. ``outputs``: ``(row, j)``
+    for each logits row wanted, ``j`` indexing the row's new tokens (default: each row's last)."""
+    width = max(len(r.new) for r in rows)
     n = len(rows)
     input_ids = np.zeros((n, width), np.int64)
     new_mask = np.zeros((n, width), bool)
     positions = np.zeros((n, width), np.int64)
+    tree = np.zeros((n, width, width), bool) if any(r.tree is not None for r in rows) else None
     groups: dict[int, tuple[Any, list[int], list[int]]] = {}
+    columns: list[np.ndarray | None] = []
     for b, r in enumerate(rows):
-        new = r.ids[r.done :]
-        input_ids[b, width - len(new) :] = new
-        new_mask[b, width - len(new) :] = True
-        positions[b, width - len(new) :] = np.arange(r.done, len(r.ids))
+        new = r.new
+        start = width - len(new)
+        input_ids[b, start:] = new
+        new_mask[b, start:] = True
+        if r.tree is None:
+            positions[b, start:] = np.arange(r.done, r.done + len(new))
+            if tree is not None:
+                tree[b, start:, start:] = np.tri(len(new), dtype=bool)
+        else:
+            assert tree is not None
+            for j, parent in enumerate(r.tree[1]):
+                if parent >= 0:
+                    tree[b, start + j] = tree[b, start + parent]
+                    positions[b, start + j] = positions[b, start + parent] + 1
+                else:
+                    positions[b, start + j] = r.done
+                tree[b, start + j, start + j] = True
+        if tree is not None:
+            tree[b, np.arange(start), np.arange(start)] = True  # a pad sees itself: no query sees nothing
+        columns.append(r.entry[2] if r.entry is not None and len(r.entry) > 2 else None)
         if r.entry is not None:
-            block, src = r.entry
+            block, src = r.entry[0], r.entry[1]
             _, dst_rows, src_rows = groups.setdefault(id(block), (block, [], []))
             dst_rows.append(b)
             src_rows.append(src)
     past = max((block.length for block, _, _ in groups.values()), default=0)
-    return BatchPlan(rows, input_ids, new_mask, positions, list(groups.values()), past)
+    wanted = outputs if outputs is not None else [(b, len(r.new) - 1) for b, r in enumerate(rows)]
+    at = [(b, width - len(rows[b].new) + j) for b, j in wanted]
+    return BatchPlan(rows, input_ids, new_mask, positions, list(groups.values()), past, columns, at, tree)
+
+
+def pack_shared(rows: list[KVRow], limit: int) -> tuple[list[KVRow], list[tuple[int, int]]]:
+    """Rows for ``rows``' sequences in which each token shared by sequences with the same cached
+    prefix runs once: such sequences become one packed row when that saves tokens and the tree has
+    at most ``limit`` tokens. Returns the rows and, per sequence, ``(row, j)`` of its last token."""
+    groups: dict[Any, list[int]] = {}
+    for i, r in enumerate(rows):
+        key = None if r.entry is None else (id(r.entry[0]), r.entry[1], id(r.entry[2]) if len(r.entry) > 2 else None)
+        groups.setdefault(key, []).append(i)
+    out: list[KVRow] = []
+    where: list[tuple[int, int]] = [(0, 0)] * len(rows)
+    for members in groups.values():
+        nodes: dict[tuple[int, int], int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        last = []
+        for i in members:
+            node = -1
+            for token in rows[i].new:
+                edge = (node, token)
+                if edge not in nodes:
+                    nodes[edge] = len(tokens)
+                    tokens.append(token)
+                    parents.append(node)
+                node = nodes[edge]
+            last.append(node)
+        if len(members) > 1 and len(tokens) < sum(len(rows[i].new) for i in members) and len(tokens) <= limit:
+            first = rows[members[0]]
+            tree = (tuple(tokens), tuple(parents))
+            out.append(KVRow(first.ids[: first.done], first.done, first.entry, tree))
+            for i, node in zip(members, last):
+                where[i] = (len(out) - 1, node)
+        else:
+            for i in members:
+                out.append(rows[i])
+                where[i] = (len(out) - 1, len(rows[i].new) - 1)
+    return out, where
 
 
 class KVReuse(abc.ABC):
@@ -146,10 +249,15 @@ class KVReuse(abc.ABC):
         self.forward_calls = 0  # forward passes run
         self.tokens_computed = 0  # real (non-pad) tokens those passes computed
 
+    #: Whether :meth:`forward_new` runs packed rows (``plan.tree``) and its blocks carry ``host_mask``;
+    #: a backend that can sets it, and shared new tokens (a byte beam's lookahead) then run once.
+    packs_shared_tokens: bool = False
+
     @abc.abstractmethod
     def forward_new(self, plan: BatchPlan) -> tuple[Any, Any]:
-        """Run ``plan``'s new tokens after its past (see :meth:`gather_past`); return the logits at
-        the last position ``[batch, width]`` and the new block holding every row's states."""
+        """Run ``plan``'s new tokens after its past; return the logits at ``plan.outputs``
+        ``[len(outputs), vocab]`` (without packed rows: each row's last position, in order) and the
+        new block holding every row's states."""
 
     def clear_backend_cache(self) -> None:
         """Forget every stored KV state (AsyncLM.clear_cache and cleanup call this)."""
@@ -166,15 +274,43 @@ class KVReuse(abc.ABC):
             entries = self._run([KVRow(r.ids[: r.done + chunk], r.done, r.entry) for r in long], namespace)[1]
             for r, entry in zip(long, entries):
                 r.done, r.entry = r.done + chunk, entry
+        if self.packs_shared_tokens and len(rows) > 1:
+            packed, where = pack_shared(rows, chunk)
+            if len(packed) < len(rows):
+                return self._run(packed, namespace, list(sequences), where)[0]
         return self._run(rows, namespace)[0]
 
-    def _run(self, rows: list[KVRow], namespace: Any) -> tuple[Any, list[tuple[Any, int]]]:
-        plan = plan_batch(rows)
+    def _run(
+        self,
+        rows: list[KVRow],
+        namespace: Any,
+        sequences: list[tuple[int, ...]] | None = None,
+        where: list[tuple[int, int]] | None = None,
+    ) -> tuple[Any, list[Entry]]:
+        """One forward pass; stores and returns the entry of each sequence. Without ``sequences``, each
+        row is one sequence (its last token); else ``where[i]`` is ``(row, j)`` of sequence ``i``'s last."""
+        plan = plan_batch(rows, where)
         self.forward_calls += 1
         self.tokens_computed += int(plan.new_mask.sum())
         logits, block = self.forward_new(plan)
-        entries = [(block, b) for b in range(len(rows))]
+        if sequences is None or where is None:
+            entries: list[Entry] = [(block, b) for b in range(len(rows))]
+            sequences = [r.ids for r in rows]
+        else:
+            entries = [self._entry(plan, block, b, j) for b, j in where]
         if self.reuse_kv:
-            for b, r in enumerate(rows):
-                self.kv.put(namespace, r.ids, entries[b], block, block.nbytes)
+            for ids, entry in zip(sequences, entries):
+                self.kv.put(namespace, ids, entry, block, block.nbytes)
         return logits, entries
+
+    @staticmethod
+    def _entry(plan: BatchPlan, block: KVBlock, b: int, j: int) -> Entry:
+        """Where the sequence ending at new token ``j`` of row ``b`` lives in ``block``."""
+        row = plan.rows[b]
+        if row.tree is None:
+            return (block, b)
+        assert block.host_mask is not None, "a backend that packs rows gives its blocks a host_mask"
+        past = block.length - plan.width
+        first = block.length - len(row.new)
+        own = np.asarray(row.ancestors(j)) + first
+        return (block, b, np.concatenate([np.flatnonzero(block.host_mask[b, :past]), own]))

@@ -234,17 +234,22 @@ class ByteBeamState:
         await asyncio.gather(*(s.materialize() for s in self.states))
         return self
 
-    async def prefill(self, data: bytes, lookahead: int = 2) -> ByteBeamState:
+    async def prefill(self, data: bytes, lookahead: int | None = None) -> ByteBeamState:
         """The beam after ``data``, pruning before each byte; EOS tokens count as text meanwhile.
 
         The text is known in advance, so whenever a byte needs model calls, the contexts the next
         ``lookahead - 1`` bytes could need are requested in the same batch (a superset, found from
-        the trie alone). Results are identical; the model runs about ``lookahead`` times less often.
-        A ``str`` is read as its UTF-8 bytes.
+        the trie alone). Results are the same rows; the model runs about ``lookahead`` times less
+        often, on more tokens. Default: 3 on a backend that runs shared tokens once
+        (``packs_shared_tokens``, genlm-hf), else 2 (the fastest on SmolLM2 on CPU: see
+        ``benchmarks/bench_bytes.py``). A ``str`` is read as its UTF-8 bytes.
         """
         data = as_bytes(data, "data")
-        lookahead = check_int(lookahead, "lookahead", 1)
         self._ensure_open()
+        if lookahead is None:
+            lm = self.states[0].lm_state.model if self.states else None
+            lookahead = 3 if getattr(lm, "packs_shared_tokens", False) else 2
+        lookahead = check_int(lookahead, "lookahead", 1)
         beam = await self.with_mode(TrieMode.WITHOUT_EOS)._materialized()
         for i, b in enumerate(data):
             beam = beam.prune()

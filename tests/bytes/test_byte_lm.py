@@ -65,6 +65,28 @@ def test_wide_beam_equals_exact_marginalisation(request, which, text):
     asyncio.run(main())
 
 
+def test_prefill_lookahead_is_the_same_beam_and_packed_rows_run_shared_tokens_once(tiny_lm, monkeypatch):
+    text = b"abc the ab th the abc"
+
+    async def prefill(lookahead):
+        tiny_lm.clear_cache()
+        before = tiny_lm.tokens_computed
+        beam = await ByteBeamState.initial(tiny_lm, BeamParams(K=5, heal=False))
+        after = await beam.prefill(text, lookahead)
+        return after.logZ, tiny_lm.tokens_computed - before
+
+    async def main():
+        z1, _ = await prefill(1)
+        for lookahead in (2, 3, 5, None):
+            assert (await prefill(lookahead))[0] == pytest.approx(z1, abs=1e-5)
+        _, packed = await prefill(5)
+        monkeypatch.setattr(type(tiny_lm), "packs_shared_tokens", False)
+        z_unpacked, unpacked = await prefill(5)
+        assert z_unpacked == pytest.approx(z1, abs=1e-5) and packed < unpacked
+
+    asyncio.run(main())
+
+
 def test_prefill_equals_stepping_bytes_one_by_one(mock_lm):
     async def main():
         beam = await ByteBeamState.initial(mock_lm, BeamParams(K=3))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from genlm_core.kv_reuse import KVBlock, KVRow, plan_batch
+from genlm_core.kv_reuse import KVBlock, KVRow, pack_shared, plan_batch
 from genlm_core.prefix_cache import PrefixCache
 
 
@@ -87,15 +87,36 @@ def test_plan_batch_left_pads_new_tokens_with_real_positions_and_groups_by_block
     np.testing.assert_array_equal(plan.new_mask, [[0, 0, 1], [0, 1, 1], [1, 1, 1], [0, 0, 1]])
     np.testing.assert_array_equal(plan.positions, [[0, 0, 5], [0, 3, 4], [0, 1, 2], [0, 0, 5]])
     assert [(g[0] is a, g[1], g[2]) for g in plan.groups] == [(True, [0, 3], [1, 0]), (False, [1], [0])]
-    assert plan.reuses_whole_block() is None and not plan.reuses_one_block()
+    assert plan.reuses_whole_block() is None and plan.tree is None
+    assert plan.outputs == [(0, 2), (1, 2), (2, 2), (3, 2)]
 
 
-@pytest.mark.parametrize(
-    ("sources", "whole", "one"),
-    [([0, 1], True, True), ([1, 0], False, True), ([0, 0], False, True)],
-)
-def test_plan_batch_detects_batches_that_extend_one_block(sources, whole, one):
+@pytest.mark.parametrize(("sources", "whole"), [([0, 1], True), ([1, 0], False), ([0, 0], False)])
+def test_plan_batch_detects_batches_that_are_one_blocks_rows(sources, whole):
     block = make_block(2, 4)
     rows = [KVRow((1, 2, 3, 4, 9 + i), done=4, entry=(block, src)) for i, src in enumerate(sources)]
-    plan = plan_batch(rows)
-    assert (plan.reuses_whole_block() is block) == whole and plan.reuses_one_block() == one
+    assert (plan_batch(rows).reuses_whole_block() is block) == whole
+    packed_entry = [KVRow((1, 2, 3, 4, 9 + i), done=4, entry=(block, i, np.arange(4))) for i in range(2)]
+    assert plan_batch(packed_entry).reuses_whole_block() is None  # a packed row's entry is part of its row
+
+
+def test_pack_shared_runs_each_shared_token_once_and_plans_a_tree():
+    block = make_block(1, 2)
+    sequences = [(1, 2, 5), (1, 2, 5, 6), (1, 2, 5, 7), (1, 2, 8), (3, 4)]
+    rows = [KVRow(ids, done=2, entry=(block, 0)) for ids in sequences[:4]] + [KVRow(sequences[4])]
+    packed, where = pack_shared(rows, limit=16)
+    assert len(packed) == 2 and packed[1] is rows[4]
+    tokens, parents = packed[0].tree
+    assert tokens == (5, 6, 7, 8) and parents == (-1, 0, 0, -1)  # 5 runs once for three sequences
+    assert where == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 1)]
+    assert [packed[0].ancestors(j) for j in range(4)] == [[0], [0, 1], [0, 2], [3]]
+    plan = plan_batch(packed, where)
+    np.testing.assert_array_equal(plan.input_ids, [[5, 6, 7, 8], [0, 0, 3, 4]])
+    np.testing.assert_array_equal(plan.positions, [[2, 3, 3, 2], [0, 0, 0, 1]])
+    sees = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]]
+    np.testing.assert_array_equal(plan.tree[0], sees)
+    np.testing.assert_array_equal(plan.tree[1], [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]])
+    assert plan.outputs == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 3)]
+    # nothing shared, or a tree over the limit: one row per sequence, as without packing
+    assert pack_shared(rows[3:], limit=16)[0] == rows[3:]
+    assert pack_shared(rows, limit=3)[0] == rows

@@ -115,6 +115,54 @@ def test_resampled_particles_reuse_their_rows(tiny):
     assert lm.tokens_computed - before == 5  # distinct new contexts, one token each
 
 
+def test_holes_left_by_ragged_batches_are_squeezed_out(tiny):
+    """Two rows extended by one and by three tokens in turn: the shorter gets pads in its block each
+    step (a byte beam's prefill does this hundreds of times). The past must stay about as long as
+    the contexts: left alone it would grow by the batch's width per step (123 positions here)."""
+    path, ref = tiny
+    lm = make(path)
+    a, b = [7, 8, 9], [7, 8, 10]
+    for step in range(40):
+        one, three = [20 + step], [40 + step, 41, 42]
+        a, b = (a + three, b + one) if step % 2 else (a + one, b + three)
+        rows = gather(lm, [a, b])
+        assert max_error(rows, [a, b], ref) <= TOL
+    block, _ = lm.kv.longest_prefix(None, tuple(a), len(a)).value
+    assert len(a) == len(b) == 83 and block.length <= 1.4 * 83
+
+
+@pytest.mark.parametrize("plain_head", [True, False])
+def test_shared_new_tokens_run_once_in_a_packed_row(tiny, plain_head):
+    """A byte beam's lookahead asks for c+a, c+a+b, c+a+d, ... together: a runs once, each sequence's
+    row is exact, and a later extension of a sequence that lived in a packed row reuses its states.
+    Both ways to the wanted logits: the head on wanted positions, or the model's logits_to_keep."""
+    path, ref = tiny
+    lm = make(path)
+    assert lm.plain_head  # Llama and GPT-2: logits are the output embedding of the last hidden state
+    lm.plain_head = plain_head
+    prompt = [11, 12, 13, 14]
+    lm.next_token_logprobs_sync(prompt)
+    contexts = [prompt + [5], prompt + [5, 6], prompt + [5, 7], prompt + [5, 7, 9], prompt + [8], [30, 31, 32]]
+    before = lm.tokens_computed
+    rows = gather(lm, contexts)
+    assert max_error(rows, contexts, ref) <= TOL
+    assert lm.tokens_computed - before == 5 + 3  # 5, 6, 7, 9, 8 once each; the unrelated context alone
+    for grown in (prompt + [5, 7, 10], prompt + [5, 6, 3, 4]):
+        before = lm.tokens_computed
+        assert max_error([lm.next_token_logprobs_sync(grown)], [grown], ref) <= TOL
+        assert lm.tokens_computed - before == len(grown) - len(prompt) - 2
+
+
+def test_a_head_that_is_not_the_output_embedding_is_detected(tiny):
+    path, _ = tiny
+    lm = make(path)
+    plain = lm.model.get_output_embeddings()
+    scaled = torch.nn.Linear(plain.in_features, plain.out_features, bias=False)
+    scaled.weight = torch.nn.Parameter(plain.weight * 2)
+    lm.model.get_output_embeddings = lambda: scaled
+    assert not lm._has_plain_head()
+
+
 def test_long_context_over_4000_tokens_in_chunks(tiny):
     path, ref = tiny
     lm = make(path, prefill_chunk_size=1024)

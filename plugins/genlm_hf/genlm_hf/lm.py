@@ -3,7 +3,8 @@
 Which KV states are reused and how a batch is laid out is decided once, in core
 (:mod:`genlm_core.kv_reuse`); this module does the torch side: gather the cached prefixes into the
 batch's past (no copy when the batch is exactly one earlier batch's rows), run the new tokens with
-explicit positions and a 2-D mask, and keep the resulting KV tensors as a new block.
+explicit positions and a 2-D mask (4-D when a row packs a tree of sequences' tokens), and keep the
+resulting KV tensors as a new block.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from genlm_core import AsyncLM, LoRASelection, Request, Tokenizer
@@ -86,6 +88,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
 
     Options = HFOptions
     options: HFOptions
+    packs_shared_tokens = True
 
     def __init__(self, model: Any, tokenizer: Tokenizer, options: HFOptions | None = None, **kwargs: Any):
         super().__init__(tokenizer, options, **kwargs)
@@ -99,6 +102,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
                 "%s: KV reuse disabled (%s); every request is computed from scratch", type(model).__name__, problem
             )
         self.init_kv_reuse(o, o.reuse_kv and problem is None)
+        self.plain_head = self._has_plain_head()
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         for name, path in o.lora.items():
             self.load_lora(path, name)
@@ -160,46 +164,83 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         return out
 
     def _past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
-        """The batch's past KV and its mask ``[batch, past_length]``, from the rows' cached prefixes."""
+        """The batch's past KV and its mask ``[batch, past_length]``, from the rows' cached prefixes:
+        an earlier block as it is when the batch is exactly its rows (no copy), else every row's
+        own positions gathered, in order, right-aligned (holes and other sequences' tokens left out)."""
         n = len(plan.rows)
         if not plan.groups:
             return None, torch.zeros(n, 0, dtype=torch.bool, device=self.device)
         whole = plan.reuses_whole_block()
-        if whole is not None:
-            return whole.kv, whole.mask  # the same rows in the same order: no copy at all
-        if plan.reuses_one_block():
-            block, _, src = plan.groups[0]
-            index = torch.tensor(src, device=self.device)
-            return [(k.index_select(0, index), v.index_select(0, index)) for k, v in block.kv], block.mask[index]
-        length = plan.past_length
+        if whole is not None and not plan.worth_compacting():
+            return whole.kv, whole.mask
+        length = plan.real_past_length
         kv = [
             (k.new_zeros(n, k.shape[1], length, k.shape[3]), v.new_zeros(n, v.shape[1], length, v.shape[3]))
             for k, v in plan.groups[0][0].kv
         ]
-        mask = torch.zeros(n, length, dtype=torch.bool, device=self.device)
+        mask = np.zeros((n, length), bool)
         for block, dst, src in plan.groups:
+            index = np.zeros((len(dst), length), np.int64)
+            for i, (b, row) in enumerate(zip(dst, src)):
+                columns = plan.columns[b]
+                if columns is None:
+                    columns = np.flatnonzero(block.host_mask[row])
+                index[i, length - len(columns) :] = columns
+                mask[b, length - len(columns) :] = True
             d = torch.tensor(dst, device=self.device)
             s = torch.tensor(src, device=self.device)
-            start = length - block.length
+            positions = torch.from_numpy(index).to(self.device)[:, None, :, None]
             for (k, v), (bk, bv) in zip(kv, block.kv):
-                k[d, :, start:] = bk.index_select(0, s)
-                v[d, :, start:] = bv.index_select(0, s)
-            mask[d, start:] = block.mask[s]
-        return kv, mask
+                per_head = positions.expand(-1, bk.shape[1], -1, bk.shape[3])
+                k[d] = bk.index_select(0, s).gather(2, per_head)
+                v[d] = bv.index_select(0, s).gather(2, per_head)
+        return kv, torch.from_numpy(mask).to(self.device)
 
     def forward_new(self, plan: BatchPlan) -> tuple[torch.Tensor, KVBlock]:
         past, past_mask = self._past(plan)
-        mask = torch.cat([past_mask, torch.from_numpy(plan.new_mask).to(self.device)], dim=1)
-        out = self.model(
-            input_ids=torch.from_numpy(plan.input_ids).to(self.device),
-            attention_mask=mask.long(),
-            position_ids=torch.from_numpy(plan.positions).to(self.device),
-            past_key_values=_dynamic_cache(past),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        block = KVBlock([(layer.keys, layer.values) for layer in out.past_key_values.layers], mask)
-        return out.logits[:, -1, :], block
+        new_mask = torch.from_numpy(plan.new_mask).to(self.device)
+        mask = torch.cat([past_mask, new_mask], dim=1)
+        if plan.tree is None:
+            attention: torch.Tensor = mask.long()
+        else:  # packed rows: each new token sees the row's past and its own ancestors
+            n, width, seen = len(plan.rows), plan.width, past_mask.shape[1]
+            tree = torch.from_numpy(plan.tree).to(self.device)
+            attention = torch.cat([past_mask[:, None, :].expand(n, width, seen), tree], dim=2)[:, None]
+        rows = torch.tensor([b for b, _ in plan.outputs], device=self.device)
+        columns = [c for _, c in plan.outputs]
+        inputs = {
+            "input_ids": torch.from_numpy(plan.input_ids).to(self.device),
+            "attention_mask": attention,
+            "position_ids": torch.from_numpy(plan.positions).to(self.device),
+            "past_key_values": _dynamic_cache(past),
+            "use_cache": True,
+        }
+        if all(c == plan.width - 1 for c in columns):
+            out = self.model(**inputs, logits_to_keep=1)
+            logits = out.logits[rows, -1, :]
+        elif self.plain_head:  # the head on the wanted positions only
+            out = self.model.base_model(**inputs)
+            head = self.model.get_output_embeddings()
+            logits = head(out.last_hidden_state[rows, torch.tensor(columns, device=self.device)])
+        else:
+            kept = sorted(set(columns))
+            out = self.model(**inputs, logits_to_keep=torch.tensor(kept, device=self.device))
+            logits = out.logits[rows, torch.tensor([kept.index(c) for c in columns], device=self.device), :]
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return logits, KVBlock(kv, mask, mask.cpu().numpy())
+
+    def _has_plain_head(self) -> bool:
+        """Whether the model's logits are its output embedding applied to its base model's last hidden
+        state (true of most causal LMs; not of those that scale or cap logits), checked on 3 tokens.
+        Packed batches then run the head on the positions whose rows are wanted, not on every column."""
+        head, base = self.model.get_output_embeddings(), getattr(self.model, "base_model", None)
+        if head is None or base is None or base is self.model:
+            return False
+        ids = torch.tensor([[0, 1, 2]], device=self.device)
+        with torch.inference_mode():
+            whole = self.model(input_ids=ids).logits
+            split = head(base(input_ids=ids).last_hidden_state)
+        return whole.shape == split.shape and bool(torch.equal(whole, split))
 
     @torch.no_grad()
     def forward_uncached(self, request: Request) -> torch.Tensor:
