@@ -80,7 +80,7 @@ def test_prefill_lookahead_is_the_same_beam_and_packed_rows_run_shared_tokens_on
         for lookahead in (2, 3, 5, None):
             assert (await prefill(lookahead))[0] == pytest.approx(z1, abs=1e-5)
         _, packed = await prefill(5)
-        monkeypatch.setattr(type(tiny_lm), "packs_shared_tokens", False)
+        monkeypatch.setattr(tiny_lm, "packs_shared_tokens", False)
         z_unpacked, unpacked = await prefill(5)
         assert z_unpacked == pytest.approx(z1, abs=1e-5) and packed < unpacked
 

@@ -88,7 +88,6 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
 
     Options = HFOptions
     options: HFOptions
-    packs_shared_tokens = True
 
     def __init__(self, model: Any, tokenizer: Tokenizer, options: HFOptions | None = None, **kwargs: Any):
         super().__init__(tokenizer, options, **kwargs)
@@ -102,6 +101,9 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
                 "%s: KV reuse disabled (%s); every request is computed from scratch", type(model).__name__, problem
             )
         self.init_kv_reuse(o, o.reuse_kv and problem is None)
+        # packed rows need arbitrary 4-D masks, which the sdpa and eager attentions take (flash does not)
+        attention = getattr(model.config, "_attn_implementation", None)
+        self.packs_shared_tokens = self.reuse_kv and attention in ("sdpa", "eager")
         self.plain_head = self._has_plain_head()
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         for name, path in o.lora.items():
