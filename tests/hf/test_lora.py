@@ -112,3 +112,21 @@ def test_seed_lora_methods_and_per_request_lora_name(adapters):
     lm.set_lora(paths["b"], "z")  # the older signature: load and activate
     row = lm.next_token_logprobs_sync(ctx)
     assert (row.double() - reference(base, paths["b"], ctx)).abs().max() <= TOL
+
+
+def test_packed_rows_under_adapters(adapters):
+    """Sequences sharing new tokens run as one packed row (its head on the wanted positions) under each
+    adapter, and under none, once peft wraps the model."""
+    base, paths = adapters
+    lm = AsyncTransformer.from_name(base, lora=paths, batch_size=16, timeout=0.01)
+    assert lm.packs_shared_tokens and lm.plain_head
+    prompt = [21, 22, 23]
+    contexts = [prompt + [5], prompt + [5, 6], prompt + [5, 7]]
+    for name in (None, "a", "b"):
+        lm.clear_lora() if name is None else lm.set_lora(None, name)
+        lm.next_token_logprobs_sync(prompt)
+        before = lm.tokens_computed
+        rows = lm.batch_next_token_logprobs_sync(contexts)
+        assert lm.tokens_computed - before == 3  # 5 once, then 6 and 7
+        for row, ids in zip(rows, contexts):
+            assert (row.double() - reference(base, paths.get(name), ids)).abs().max() <= TOL

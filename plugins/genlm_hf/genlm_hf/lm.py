@@ -221,8 +221,9 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             out = self.model(**inputs, logits_to_keep=1)
             logits = out.logits[rows, -1, :]
         elif self.plain_head:  # the head on the wanted positions only
-            out = self.model.base_model(**inputs)
-            head = self.model.get_output_embeddings()
+            causal_lm = self._causal_lm()
+            out = causal_lm.base_model(**inputs)
+            head = causal_lm.get_output_embeddings()
             logits = head(out.last_hidden_state[rows, torch.tensor(columns, device=self.device)])
         else:
             kept = sorted(set(columns))
@@ -231,12 +232,18 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         return logits, KVBlock(kv, mask, mask.cpu().numpy())
 
+    def _causal_lm(self) -> Any:
+        """The transformers model, under a peft wrapper if LoRA adapters are loaded (peft changes its
+        layers in place, so its body and head run the active adapter)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
     def _has_plain_head(self) -> bool:
         """Whether the model's logits are its output embedding applied to its base model's last hidden
         state (true of most causal LMs; not of those that scale or cap logits), checked on 3 tokens.
         Packed batches then run the head on the positions whose rows are wanted, not on every column."""
-        head, base = self.model.get_output_embeddings(), getattr(self.model, "base_model", None)
-        if head is None or base is None or base is self.model:
+        causal_lm = self._causal_lm()
+        head, base = causal_lm.get_output_embeddings(), getattr(causal_lm, "base_model", None)
+        if head is None or base is None or base is causal_lm:
             return False
         ids = torch.tensor([[0, 1, 2]], device=self.device)
         with torch.inference_mode():
