@@ -10,6 +10,7 @@ resulting KV tensors as a new block.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -104,7 +105,6 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         # packed rows need arbitrary 4-D masks, which the sdpa and eager attentions take (flash does not)
         attention = getattr(model.config, "_attn_implementation", None)
         self.packs_shared_tokens = self.reuse_kv and attention in ("sdpa", "eager")
-        self.plain_head = self._has_plain_head()
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         for name, path in o.lora.items():
             self.load_lora(path, name)
@@ -236,6 +236,12 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         """The transformers model, under a peft wrapper if LoRA adapters are loaded (peft changes its
         layers in place, so its body and head run the active adapter)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @functools.cached_property
+    def plain_head(self) -> bool:
+        """Whether the head may run on wanted positions only (:meth:`_has_plain_head`), checked on the
+        first packed batch that wants positions other than the last, not at load."""
+        return self._has_plain_head()
 
     def _has_plain_head(self) -> bool:
         """Whether the model's logits are its output embedding applied to its base model's last hidden
