@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,17 +111,15 @@ def tree_rows(
     return {c: table_rows[index[c]] for c in set(contexts)}
 
 
-def record_contexts(lm: Any) -> list[tuple[int, ...]]:
-    """Start recording the contexts ``lm`` is asked for (returns the list that fills up)."""
-    seen: list[tuple[int, ...]] = []
-    ask = lm.next_token_logprobs
-
-    async def recording(context: Sequence[int]) -> torch.Tensor:
-        seen.append(tuple(context))
-        return await ask(context)
-
-    lm.next_token_logprobs = recording
-    return seen
+@contextlib.contextmanager
+def answering(lm: Any, rows_of: Callable[[Any, Sequence[int]], Awaitable[torch.Tensor]]) -> Iterator[None]:
+    """Within the block, ``lm.next_token_logprobs(context)`` is ``rows_of(lm's own method, context)``."""
+    own = lm.next_token_logprobs
+    lm.next_token_logprobs = lambda context: rows_of(own, context)
+    try:
+        yield
+    finally:
+        del lm.next_token_logprobs  # the class's method again
 
 
 async def prefill(lm: Any, text: bytes, lookahead: int) -> tuple[float, float, dict[str, int]]:
@@ -139,21 +139,23 @@ async def prefill(lm: Any, text: bytes, lookahead: int) -> tuple[float, float, d
     return seconds, after.logZ, work
 
 
+async def recording(seen: set[tuple[int, ...]], ask: Any, context: Sequence[int]) -> torch.Tensor:
+    """``ask(context)``, noting ``context`` in ``seen``."""
+    seen.add(tuple(context))
+    return await ask(context)
+
+
 async def replayed_log_z(lm: Any, text: bytes, rows: dict[tuple[int, ...], torch.Tensor]) -> float:
     """Log Z of the same prefill when every row is read from ``rows`` (the floor's)."""
-    ask = lm.next_token_logprobs
 
-    async def from_floor(context: Sequence[int]) -> torch.Tensor:
+    async def from_floor(_: Any, context: Sequence[int]) -> torch.Tensor:
         return rows[tuple(context)]
 
-    lm.next_token_logprobs = from_floor
-    try:
+    with answering(lm, from_floor):
         beam = await ByteBeamState.initial(lm, BeamParams(K=K, heal=False))
         log_z = (await beam.prefill(text, lookahead=1)).logZ
         beam.close()
         return log_z
-    finally:
-        lm.next_token_logprobs = ask
 
 
 def floor_table(sizes: list[int], lookaheads: list[int], rounds: int) -> None:
@@ -165,10 +167,10 @@ def floor_table(sizes: list[int], lookaheads: list[int], rounds: int) -> None:
     rows_out = []
     for size in sizes:
         text = TEXT[:size]
-        seen = record_contexts(lm)
-        asyncio.run(prefill(lm, text, 1))
-        del lm.next_token_logprobs  # back to the class's method
-        needed = sorted(set(seen))
+        seen: set[tuple[int, ...]] = set()
+        with answering(lm, functools.partial(recording, seen)):
+            asyncio.run(prefill(lm, text, 1))
+        needed = sorted(seen)
         floor_rows = tree_rows(lm.model, needed)
         reference = asyncio.run(replayed_log_z(lm, text, floor_rows))
         times: dict[Any, list[float]] = {"floor": []}
