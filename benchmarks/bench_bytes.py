@@ -9,10 +9,14 @@
    Runs are interleaved (floor, lookahead 1, lookahead 2, ... in each round), medians and the spread
    of the per-round ratios; counters of the last round: model calls, tokens computed and rows. Log Z
    is checked against the beam replayed on the floor's rows (an independent computation).
+   Beside them, the engine's own cost of prefill's sequence of calls: the model alone runs, for each
+   call of the last lookahead listed, that call's new tokens as one sequence after a past of the same
+   length. The floor says what the beam's dependencies cost (a beam must have rows before it prunes);
+   this row says what our layout, copies and Python cost on top of the model.
 2. **The seed** (``--seed``, a tiny random 2-layer Llama with the GPT-2 tokenizer, through each
    library's HF backend): ours against genlm-bytes 0.2.0 (``bash benchmarks/seed_venv.sh``).
 
-    python benchmarks/bench_bytes.py [--sizes 300,2000] [--lookaheads 1,2] [--rounds 2] [--seed]
+    python benchmarks/bench_bytes.py [--sizes 300,2000] [--lookaheads 1,6] [--rounds 2] [--seed]
 """
 
 from __future__ import annotations
@@ -122,14 +126,30 @@ def answering(lm: Any, rows_of: Callable[[Any, Sequence[int]], Awaitable[torch.T
         del lm.next_token_logprobs  # the class's method again
 
 
-async def prefill(lm: Any, text: bytes, lookahead: int) -> tuple[float, float, dict[str, int]]:
-    """Seconds, log Z and counters of one prefill from a cold cache."""
+async def prefill(
+    lm: Any, text: bytes, lookahead: int, shapes: list[tuple[int, int]] | None = None
+) -> tuple[float, float, dict[str, int]]:
+    """Seconds, log Z and counters of one prefill from a cold cache; ``shapes`` gets each model call's
+    (new tokens, past length with no holes)."""
     beam = await ByteBeamState.initial(lm, BeamParams(K=K, heal=False))
     lm.clear_cache()
     calls, tokens, rows = lm.forward_calls, lm.tokens_computed, lm.batcher.stats.items
+    own = lm.forward_new
+    if shapes is not None:
+
+        def noted(plan: Any) -> Any:
+            past = plan.merged.length if plan.merged is not None else plan.real_past_length
+            shapes.append((int(plan.new_mask.sum()), past))
+            return own(plan)
+
+        lm.forward_new = noted
     t0 = time.perf_counter()
-    after = await beam.prefill(text, lookahead=lookahead)
-    seconds = time.perf_counter() - t0
+    try:
+        after = await beam.prefill(text, lookahead=lookahead)
+    finally:
+        seconds = time.perf_counter() - t0
+        if shapes is not None:
+            del lm.forward_new  # the class's method again
     work = {
         "model calls": lm.forward_calls - calls,
         "tokens computed": lm.tokens_computed - tokens,
@@ -158,6 +178,24 @@ async def replayed_log_z(lm: Any, text: bytes, rows: dict[tuple[int, ...], torch
         return log_z
 
 
+def same_calls(model: Any, shapes: list[tuple[int, int]]) -> float:
+    """Seconds the model alone takes for calls of these shapes: each call's new tokens as one sequence
+    after a past of that length (no padding, no copies, no masks beyond causal, logits at every new
+    token): what any implementation of the same sequence of calls must spend."""
+    from transformers import DynamicCache
+
+    longest = max(past for _, past in shapes) + 1
+    with torch.inference_mode():
+        base = model(torch.arange(1, longest + 1)[None] % 5000, use_cache=True).past_key_values.layers
+        t0 = time.perf_counter()
+        for tokens, past in shapes:
+            cache = DynamicCache()
+            for layer, state in enumerate(base):  # views: the model's update concatenates, never writes
+                cache.update(state.keys[:, :, :past], state.values[:, :, :past], layer)
+            model(torch.randint(0, 5000, (1, tokens)), past_key_values=cache, use_cache=True, logits_to_keep=tokens)
+        return time.perf_counter() - t0
+
+
 def floor_table(sizes: list[int], lookaheads: list[int], rounds: int) -> None:
     from genlm_core.testing.models import smollm2_dir
     from genlm_hf import AsyncTransformer
@@ -173,16 +211,18 @@ def floor_table(sizes: list[int], lookaheads: list[int], rounds: int) -> None:
         needed = sorted(seen)
         floor_rows = tree_rows(lm.model, needed)
         reference = asyncio.run(replayed_log_z(lm, text, floor_rows))
-        times: dict[Any, list[float]] = {"floor": []}
+        times: dict[Any, list[float]] = {"floor": [], "model": []}
         results: dict[int, tuple[float, dict[str, int]]] = {}
         for _ in range(rounds):
             t0 = time.perf_counter()
             tree_rows(lm.model, needed)
             times["floor"].append(time.perf_counter() - t0)
             for la in lookaheads:
-                seconds, log_z, work = asyncio.run(prefill(lm, text, la))
+                shapes: list[tuple[int, int]] = []
+                seconds, log_z, work = asyncio.run(prefill(lm, text, la, shapes if la == lookaheads[-1] else None))
                 times.setdefault(la, []).append(seconds)
                 results[la] = (log_z, work)
+            times["model"].append(same_calls(lm.model, shapes))
         floor = statistics.median(times["floor"])
         nodes = len({c[:i] for c in needed for i in range(1, len(c) + 1)})
         chunks = f"{-(-nodes // FLOOR_CHUNK)} chunks"
@@ -205,11 +245,29 @@ def floor_table(sizes: list[int], lookaheads: list[int], rounds: int) -> None:
                     f"{abs(log_z - reference):.1e}",
                 ]
             )
+        last = lookaheads[-1]
+        model_ratios = [t / f for t, f in zip(times["model"], times["floor"])]
+        ours = [t / m for t, m in zip(times[last], times["model"])]
+        rows_out.append(
+            [
+                str(size),
+                f"model alone, the calls of lookahead={last}",
+                fmt_s(statistics.median(times["model"])),
+                f"{statistics.median(model_ratios):.2f}x",
+                f"{min(model_ratios):.2f}-{max(model_ratios):.2f}",
+                str(results[last][1]["model calls"]),
+                str(results[last][1]["tokens computed"]),
+                "",
+                f"ours {statistics.median(ours):.2f}x",
+            ]
+        )
         print(f"  {size} bytes: log Z {reference:.4f} (the beam on the floor's rows)", file=sys.stderr)
     lm.cleanup()
     print(
         f"byte LM prefill, K={K}, SmolLM2-135M float32 (hf backend), {torch.get_num_threads()} threads; "
-        f"{rounds} interleaved rounds, medians; target: prefill <= 1.2x the floor"
+        f"{rounds} interleaved rounds, medians; target: prefill <= 1.2x the floor. 'model alone': the "
+        "model by itself on the same sequence of calls (each call's new tokens as one sequence after a past "
+        "of its length), and prefill's time over it ('ours')"
     )
     header = ["bytes", "run", "time", "vs floor", "spread", "model calls", "tokens computed", "rows", "|d log Z|"]
     print(table(header, rows_out))
@@ -277,7 +335,7 @@ def seed_table() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="300,2000", help=f"prompt lengths in bytes (at most {len(TEXT)})")
-    parser.add_argument("--lookaheads", default="1,2", help="prefill lookaheads to time")
+    parser.add_argument("--lookaheads", default="1,6", help="prefill lookaheads to time")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (medians and spread)")
     parser.add_argument("--seed", action="store_true", help="also time genlm-bytes 0.2.0 on a tiny model")
     args = parser.parse_args()

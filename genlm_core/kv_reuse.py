@@ -10,6 +10,10 @@ in a past of ``past_length`` positions; new tokens are left-padded to ``width`` 
 at the last position. Real positions are explicit and a mask hides every pad, so holes are harmless
 to the result; they cost time, and they pile up when blocks are extended again and again (a byte
 beam's prefill), so a backend squeezes them out when :meth:`BatchPlan.worth_compacting` says so.
+Two layouts serve a byte beam's batches, for backends that set ``packs_shared_tokens``: sequences that
+share new tokens after one cached prefix are packed into one tree-masked row (:func:`pack_shared`), and
+sequences whose cached prefixes are mostly the same tokens run as one row over a merged past that holds
+each distinct prefix token once (:func:`plan_merged`).
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ class BatchPlan:
     outputs: list[tuple[int, int]] = field(default_factory=list)
     #: bool [batch, width, width]: which new tokens each new token sees (packed rows); None: causal
     tree: np.ndarray | None = None
+    #: every row's past merged into one (the batch is then one row): see :func:`plan_merged`
+    merged: MergedPast | None = None
 
     @property
     def width(self) -> int:
@@ -231,6 +237,111 @@ def pack_shared(rows: list[KVRow], limit: int) -> tuple[list[KVRow], list[tuple[
     return out, where
 
 
+@dataclass
+class MergedPast:
+    """The cached prefixes of several sequences as one past, each distinct prefix once.
+
+    A byte beam's sequences share all but their last few tokens: run as separate rows, each would
+    copy and attend over its own copy of the shared prefix. Merged, the batch is one row whose past
+    holds every distinct prefix token once, and a mask lets each new token see only its own
+    sequence's prefix. ``sources``: ``(block, row, columns of that row, positions in the merged
+    past)``; ``seen``: bool ``[width, length]``, the merged positions each new token attends to;
+    ``prefixes[i]``: input row ``i``'s prefix as merged positions, in order.
+    """
+
+    length: int
+    sources: list[tuple[Any, int, np.ndarray, np.ndarray]]
+    seen: np.ndarray
+    prefixes: list[np.ndarray]
+    offsets: list[int]  #: where input row ``i``'s new tokens start in the merged row
+
+
+#: What one token of a batch costs (its weight reads and matrix products), in attention (query, key)
+#: pairs: about 4,000 for a 135M-parameter model, more for larger ones (a conservative constant).
+TOKEN_COST = 4000
+#: What copying one past position of one row costs (every layer's keys and values), in attention pairs.
+COPY_COST = 8
+
+
+def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) -> BatchPlan | None:
+    """``rows`` as one row over their merged past (:class:`MergedPast`) when that costs clearly less
+    than the padded layout of :func:`plan_batch` (no pads run; attention spans every sequence's
+    prefix), counting tokens at :data:`TOKEN_COST` attention pairs; else None. Needs blocks with a
+    ``host_mask``. ``outputs`` as in :func:`plan_batch`."""
+    width = sum(len(r.new) for r in rows)
+    longest, past = max(len(r.new) for r in rows), max(r.done for r in rows)
+    padded_cost = len(rows) * longest * (TOKEN_COST + past + longest)
+    sources = [r.entry for r in rows if r.entry is not None]
+    if not (len(sources) == len(rows) and all(len(e) == 2 and e[0] is sources[0][0] for e in sources)):
+        padded_cost += COPY_COST * len(rows) * past  # the padded layout gathers each row's past
+
+    def worth_it(length: int) -> bool:
+        return width * (TOKEN_COST + length + width) + COPY_COST * length < padded_cost
+
+    if not worth_it(past):  # the merged past is at least the longest prefix
+        return None
+    nodes: dict[tuple[int, int], int] = {}
+    by_source: dict[tuple[int, int], tuple[Any, int, list[int], list[int]]] = {}
+    prefixes = []
+    for r in rows:
+        path: list[int] = []
+        if r.entry is not None and r.done:
+            block, row = r.entry[0], r.entry[1]
+            columns = r.entry[2] if len(r.entry) > 2 else np.flatnonzero(block.host_mask[row])
+            if len(columns) != r.done:
+                return None
+            _, _, cols, at = by_source.setdefault((id(block), row), (block, row, [], []))
+            node = -1
+            for k in range(r.done):
+                key = (node, r.ids[k])
+                position = nodes.get(key)
+                if position is None:
+                    position = nodes[key] = len(nodes)
+                    cols.append(int(columns[k]))
+                    at.append(position)
+                path.append(position)
+                node = position
+        prefixes.append(np.asarray(path, np.int64))
+    length = len(nodes)
+    if not worth_it(length):
+        return None
+    input_ids = np.zeros((1, width), np.int64)
+    positions = np.zeros((1, width), np.int64)
+    tree = np.zeros((1, width, width), bool)
+    seen = np.zeros((width, length), bool)
+    offsets = []
+    at_token = 0
+    for r, prefix in zip(rows, prefixes):
+        offsets.append(at_token)
+        new = r.new
+        parents = r.tree[1] if r.tree is not None else tuple(range(-1, len(new) - 1))
+        for j, parent in enumerate(parents):
+            g = at_token + j
+            input_ids[0, g] = new[j]
+            if parent >= 0:
+                tree[0, g] = tree[0, at_token + parent]
+                positions[0, g] = positions[0, at_token + parent] + 1
+            else:
+                positions[0, g] = r.done
+            tree[0, g, g] = True
+        seen[at_token : at_token + len(new), prefix] = True
+        at_token += len(new)
+    sources = [
+        (block, row, np.asarray(c, np.int64), np.asarray(a, np.int64)) for block, row, c, a in by_source.values()
+    ]
+    wanted = outputs if outputs is not None else [(b, len(r.new) - 1) for b, r in enumerate(rows)]
+    merged = MergedPast(length, sources, seen, prefixes, offsets)
+    return BatchPlan(
+        rows,
+        input_ids,
+        np.ones((1, width), bool),
+        positions,
+        outputs=[(0, offsets[b] + j) for b, j in wanted],
+        tree=tree,
+        merged=merged,
+    )
+
+
 class KVReuse(abc.ABC):
     """Mixin: next-token logits for token sequences, computing only what no cached prefix covers."""
 
@@ -276,6 +387,8 @@ class KVReuse(abc.ABC):
                 r.done, r.entry = r.done + chunk, entry
         if self.packs_shared_tokens and len(rows) > 1:
             packed, where = pack_shared(rows, chunk)
+            if sum(len(r.new) for r in packed) <= chunk and (plan := plan_merged(packed, where)) is not None:
+                return self._run(packed, namespace, list(sequences), where, plan)[0]
             if len(packed) < len(rows):
                 return self._run(packed, namespace, list(sequences), where)[0]
         return self._run(rows, namespace)[0]
@@ -286,10 +399,12 @@ class KVReuse(abc.ABC):
         namespace: Any,
         sequences: list[tuple[int, ...]] | None = None,
         where: list[tuple[int, int]] | None = None,
+        plan: BatchPlan | None = None,
     ) -> tuple[Any, list[Entry]]:
-        """One forward pass; stores and returns the entry of each sequence. Without ``sequences``, each
-        row is one sequence (its last token); else ``where[i]`` is ``(row, j)`` of sequence ``i``'s last."""
-        plan = plan_batch(rows, where)
+        """One forward pass (of ``plan``, default: :func:`plan_batch` of the rows); stores and returns
+        the entry of each sequence. Without ``sequences``, each row is one sequence (its last token);
+        else ``where[i]`` is ``(row, j)`` of sequence ``i``'s last."""
+        plan = plan if plan is not None else plan_batch(rows, where)
         self.forward_calls += 1
         self.tokens_computed += int(plan.new_mask.sum())
         logits, block = self.forward_new(plan)
@@ -307,6 +422,10 @@ class KVReuse(abc.ABC):
     def _entry(plan: BatchPlan, block: KVBlock, b: int, j: int) -> Entry:
         """Where the sequence ending at new token ``j`` of row ``b`` lives in ``block``."""
         row = plan.rows[b]
+        if plan.merged is not None:
+            m = plan.merged
+            own = np.asarray(row.ancestors(j)) + m.length + m.offsets[b]
+            return (block, 0, np.concatenate([m.prefixes[b], own]))
         if row.tree is None:
             return (block, b)
         assert block.host_mask is not None, "a backend that packs rows gives its blocks a host_mask"

@@ -24,11 +24,28 @@ from genlm_core.lm import AsyncLM
 from genlm_core.validation import as_bytes, check_bool, check_int, check_real, check_seed, is_int
 
 from .heal import TokenHealer
+from .lm_state import StatefulTokenizedLM
 from .probs import EOS, EOT, LazyByteProbs, check_symbol, logsumexp
-from .trie import AsyncTokenByteTrie, TrieMode
+from .trie import AsyncTokenByteTrie, Masses, TrieMode
 from .trie_state import LazyTrieState
 
 log = logging.getLogger(__name__)
+
+
+#: Prefill stops speculating after the byte at which more than this many new contexts are wanted.
+PREFETCH_BUDGET = 24
+
+
+def bisect_right_desc(values: list[float], x: float) -> int:
+    """How many of ``values`` (sorted descending) are >= ``x``."""
+    lo, hi = 0, len(values)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] >= x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -238,56 +255,100 @@ class ByteBeamState:
         """The beam after ``data``, pruning before each byte; EOS tokens count as text meanwhile.
 
         The text is known in advance, so whenever a byte needs model calls, the contexts the next
-        ``lookahead - 1`` bytes could need are requested in the same batch (a superset, found from
-        the trie alone). Results are the same rows; the model runs about ``lookahead`` times less
-        often, on more tokens. Default: 3 on a backend that runs shared tokens once
-        (``packs_shared_tokens``, genlm-hf), else 2 (the fastest on SmolLM2 on CPU: see
+        ``lookahead - 1`` bytes could still need are requested in the same batch (found from the trie
+        and the rows at hand, leaving out hypotheses that are surely pruned by then; see
+        :meth:`_prefetch`), up to :data:`PREFETCH_BUDGET` new contexts. Results are the same rows;
+        the model runs less often, on more tokens. Default: 6 on a backend that runs shared tokens
+        once (``packs_shared_tokens``, genlm-hf), else 2 (the fastest on SmolLM2 on CPU: see
         ``benchmarks/bench_bytes.py``). A ``str`` is read as its UTF-8 bytes.
         """
         data = as_bytes(data, "data")
         self._ensure_open()
         if lookahead is None:
             lm = self.states[0].lm_state.model if self.states else None
-            lookahead = 3 if getattr(lm, "packs_shared_tokens", False) else 2
+            lookahead = 6 if getattr(lm, "packs_shared_tokens", False) else 2
         lookahead = check_int(lookahead, "lookahead", 1)
         beam = await self.with_mode(TrieMode.WITHOUT_EOS)._materialized()
         for i, b in enumerate(data):
             beam = beam.prune()
-            prefetch = beam._prefetch(data[i : i + lookahead]) if lookahead > 1 else []
+            prefetch = beam._prefetch(data[i : i + lookahead], PREFETCH_BUDGET) if lookahead > 1 else []
             beam = await (beam << b)
             for task in prefetch:
                 await task
         return await beam.with_mode(TrieMode.WITH_EOS)._materialized()
 
-    def _prefetch(self, upcoming: bytes) -> list[asyncio.Future[Any]]:
-        """Start model calls for every context the beam could ask for while consuming ``upcoming``,
-        if the first byte needs a model call anyway (else the earlier prefetch covered it)."""
+    def _prefetch(self, upcoming: bytes, budget: int | None = None) -> list[asyncio.Future[Any]]:
+        """Start model calls for every context the beam could still ask for while consuming
+        ``upcoming``, if the first byte needs a model call anyway (else an earlier prefetch covered it).
+
+        The beam's future is simulated with bounds: a hypothesis whose context has a row (computed or
+        cached) has an exact weight; one without has its weight when it was made as an upper bound
+        (weights only fall). At each byte, hypotheses whose bound is below the ``K``-th exact weight of
+        hypotheses that surely exist are surely pruned, and their continuations are not requested.
+        Stops after the byte at which more than ``budget`` new contexts are wanted."""
         if not self.states:
             return []
-        trie = self.states[0].trie.trie
-        lm = self.states[0].lm_state.model
-        frontier = [(s.lm_state, s.node) for s in self.states]
+        first = self.states[0]
+        trie, lm, mode, K = first.trie.trie, first.lm_state.model, first.mode, self.params.K
+        masses_of: dict[tuple[int, ...], Masses | None] = {}
+
+        def known(key: tuple[int, ...]) -> Masses | None:
+            if key not in masses_of:
+                row = lm.cache.get(lm.request(key))
+                masses_of[key] = None if row is None else trie.masses(row.double().exp(), mode)
+            return masses_of[key]
+
+        # (lm_state, node, weight, masses or None, surely exists); weight is exact when masses are known
+        Hypothesis = tuple[StatefulTokenizedLM, int, float, Masses | None, bool]
+        frontier: list[Hypothesis] = [(s.lm_state, s.node, s.weight, s.masses, True) for s in self.states]
         contexts: dict[tuple[int, ...], None] = {}
-        needed_now = False
+        new = 0
+        ranks: list[float] = []
         for depth, b in enumerate(upcoming):
-            following = []
-            for lm_state, node in frontier:
+            if depth:
+                sure = sorted((w for _, _, w, m, e in frontier if e), reverse=True)
+                if len(sure) >= K:
+                    frontier = [f for f in frontier if f[2] >= sure[K - 1]]
+                ranks = sorted((f[2] for f in frontier), reverse=True)
+            following: list[Hypothesis] = []
+            for lm_state, node, weight, mass, exists in frontier:
+                # surely in the pruned beam: fewer than K others can weigh as much
+                kept = exists and (depth == 0 or bisect_right_desc(ranks, weight) <= K)
                 child = trie.children(node).get(b)
                 if child is not None:
-                    following.append((lm_state, child))
-                for _, token_id in trie.eot_edges(node):
+                    if mass is None:
+                        following.append((lm_state, child, weight, None, False))
+                    elif mass[child] > 0.0:
+                        w = weight + math.log(mass[child]) - math.log(mass[node])
+                        following.append((lm_state, child, w, mass, kept))
+                for leaf, token_id in trie.eot_edges(node):
+                    if mass is not None:
+                        if mass[leaf] <= 0.0:
+                            continue
+                        made = weight + math.log(mass[leaf]) - math.log(mass[node])
+                    else:
+                        made = weight
                     committed = lm_state << token_id
                     key = tuple(committed.context)
-                    if depth == 0 and lm.cache.get(lm.request(key)) is None:
-                        needed_now = True
-                    contexts[key] = None
-                    child = trie.children(trie.root).get(b)
-                    if child is not None:
-                        following.append((committed, child))
+                    if key not in contexts:
+                        contexts[key] = None
+                        if known(key) is None:
+                            new += 1
+                    root_child = trie.children(trie.root).get(b)
+                    if root_child is None:
+                        continue
+                    cm = known(key)
+                    if cm is None:
+                        following.append((committed, root_child, made, None, False))
+                    elif cm[root_child] > 0.0:
+                        w = made + math.log(cm[root_child]) - math.log(cm[trie.root])
+                        following.append((committed, root_child, w, cm, kept))
             frontier = following
-        if not needed_now:
-            return []
-        return [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts]
+            if depth == 0 and new == 0:
+                return []
+            if budget is not None and new > budget:
+                break
+        return [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts if known(c) is None]
 
     async def greedy(self, context: bytes, steps: int) -> bytes:
         """``context`` (bytes, or a str read as UTF-8) followed by up to ``steps`` most probable bytes

@@ -87,6 +87,67 @@ def test_prefill_lookahead_is_the_same_beam_and_packed_rows_run_shared_tokens_on
     asyncio.run(main())
 
 
+def lattice(beam, upcoming):
+    """Every context a beam could ask for while consuming ``upcoming``, pruning aside (brute force)."""
+    trie = beam.states[0].trie.trie
+    frontier, out = [(s.lm_state, s.node) for s in beam.states], set()
+    for b in upcoming:
+        following = []
+        for lm_state, node in frontier:
+            if (child := trie.children(node).get(b)) is not None:
+                following.append((lm_state, child))
+            for _, token_id in trie.eot_edges(node):
+                committed = lm_state << token_id
+                out.add(tuple(committed.context))
+                if (child := trie.children(trie.root).get(b)) is not None:
+                    following.append((committed, child))
+        frontier = following
+    return out
+
+
+def test_prefill_speculates_only_what_the_beam_could_still_need(mock_lm, monkeypatch):
+    """Each speculative batch of a prefill is inside the lattice of the coming bytes (everything
+    the beam could ask for, pruning aside) and smaller than it: hypotheses surely pruned by then
+    are left out. The result is that of prefill without lookahead."""
+    import genlm_core.bytes.beam as beam_module
+
+    monkeypatch.setattr(beam_module, "PREFETCH_BUDGET", None)
+    text, lookahead = b"the abc the ab cab", 4
+    own, seen, rounds = mock_lm.next_token_logprobs, set(), []
+    prefetch = beam_module.ByteBeamState._prefetch
+
+    def ask(context):
+        seen.add(tuple(context))
+        return own(context)
+
+    def spied(beam, upcoming, budget=None):
+        uncached = {c for c in lattice(beam, upcoming) if mock_lm.cache.get(mock_lm.request(c)) is None}
+        before = set(seen)
+        futures = prefetch(beam, upcoming, budget)
+        if futures:
+            rounds.append((seen - before, uncached))
+        return futures
+
+    async def prefill(lookahead):
+        mock_lm.clear_cache()
+        beam = await ByteBeamState.initial(mock_lm, BeamParams(K=2, heal=False))
+        return (await beam.prefill(text, lookahead)).logZ
+
+    async def main():
+        z1 = await prefill(1)
+        monkeypatch.setattr(beam_module.ByteBeamState, "_prefetch", spied)
+        mock_lm.next_token_logprobs = ask
+        try:
+            z = await prefill(lookahead)
+        finally:
+            del mock_lm.next_token_logprobs  # the class's method again
+        assert z == pytest.approx(z1, abs=1e-9)
+        assert rounds and all(asked <= possible for asked, possible in rounds)
+        assert sum(len(asked) for asked, _ in rounds) < sum(len(possible) for _, possible in rounds)
+
+    asyncio.run(main())
+
+
 def test_prefill_equals_stepping_bytes_one_by_one(mock_lm):
     async def main():
         beam = await ByteBeamState.initial(mock_lm, BeamParams(K=3))

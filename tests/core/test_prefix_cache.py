@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from genlm_core.kv_reuse import KVBlock, KVRow, pack_shared, plan_batch
+from genlm_core.kv_reuse import KVBlock, KVRow, pack_shared, plan_batch, plan_merged
 from genlm_core.prefix_cache import PrefixCache
 
 
@@ -68,9 +68,10 @@ def test_eviction_by_bytes_keeps_the_newest_block_even_when_it_alone_is_over_the
     assert cache.nbytes == 10 and cache.longest_prefix(None, (2,)) is None
 
 
-def make_block(rows, length):
+def make_block(rows, length, mask=None):
     kv = [(np.zeros((rows, 1, length, 2)), np.zeros((rows, 1, length, 2)))]
-    return KVBlock(kv, np.ones((rows, length), bool))
+    mask = np.ones((rows, length), bool) if mask is None else np.asarray(mask, bool)
+    return KVBlock(kv, mask, mask)
 
 
 def test_plan_batch_left_pads_new_tokens_with_real_positions_and_groups_by_block():
@@ -120,3 +121,42 @@ def test_pack_shared_runs_each_shared_token_once_and_plans_a_tree():
     # nothing shared, or a tree over the limit: one row per sequence, as without packing
     assert pack_shared(rows[3:], limit=16)[0] == rows[3:]
     assert pack_shared(rows, limit=3)[0] == rows
+
+
+def test_plan_merged_keeps_each_shared_prefix_token_once_and_shows_each_sequence_its_own():
+    """A beam's sequences share long prefixes held in different blocks: merged, the past holds each
+    distinct prefix token once, and every new token sees exactly its own sequence's prefix."""
+    shared = tuple(range(10, 110))  # 100 cached tokens common to every sequence
+    a = make_block(2, 103, [[0] * 2 + [1] * 101, [0] + [1] * 102])  # (shared, 1) at row 0; (shared, 2, 3) row 1
+    b = make_block(1, 101)  # (shared, 4)
+    rows = [
+        KVRow((*shared, 1, 7), done=101, entry=(a, 0)),
+        KVRow((*shared, 2, 3, 8, 9), done=102, entry=(a, 1)),
+        KVRow((*shared, 4, 6), done=101, entry=(b, 0)),
+    ]
+    plan = plan_merged(rows)
+    m = plan.merged
+    assert m is not None and m.length == 100 + 4  # shared once, then 1; 2, 3; 4
+    np.testing.assert_array_equal(plan.input_ids, [[7, 8, 9, 6]])
+    np.testing.assert_array_equal(plan.positions, [[101, 102, 103, 101]])
+    assert m.offsets == [0, 1, 3] and plan.outputs == [(0, 0), (0, 2), (0, 3)]
+    np.testing.assert_array_equal(m.prefixes[0], [*range(100), 100])
+    np.testing.assert_array_equal(m.prefixes[1], [*range(100), 101, 102])
+    np.testing.assert_array_equal(m.prefixes[2], [*range(100), 103])
+    for j, own in enumerate([0, 1, 1, 2]):
+        np.testing.assert_array_equal(np.flatnonzero(m.seen[j]), m.prefixes[own])
+    np.testing.assert_array_equal(plan.tree[0], [[1, 0, 0, 0], [0, 1, 0, 0], [0, 1, 1, 0], [0, 0, 0, 1]])
+    # every merged position comes from exactly one source column holding that very prefix
+    at = {int(p): (blk, row, int(c)) for blk, row, cols, pos in m.sources for c, p in zip(cols, pos)}
+    assert sorted(at) == list(range(104))
+    assert at[100] == (a, 0, 102) and at[101] == (a, 1, 101) and at[102] == (a, 1, 102) and at[103] == (b, 0, 100)
+    assert at[0] == (a, 0, 2)  # the first source of the shared prefix: a's row 0, after its holes
+
+
+def test_plan_merged_declines_when_rows_share_little_or_reuse_one_block():
+    """Particles of an SMC step (one new token each after pasts that share only a prompt) keep the
+    padded layout: merging would attend over every particle's past for every token."""
+    block = make_block(8, 60)
+    prompt = tuple(range(1, 21))
+    rows = [KVRow((*prompt, *range(100 * i, 100 * i + 40), 5), done=60, entry=(block, i)) for i in range(8)]
+    assert plan_merged(rows) is None

@@ -115,10 +115,14 @@ def test_resampled_particles_reuse_their_rows(tiny):
     assert lm.tokens_computed - before == 5  # distinct new contexts, one token each
 
 
-def test_holes_left_by_ragged_batches_are_squeezed_out(tiny):
+def test_holes_left_by_ragged_batches_are_squeezed_out(tiny, monkeypatch):
     """Two rows extended by one and by three tokens in turn: the shorter gets pads in its block each
     step (a byte beam's prefill does this hundreds of times). The past must stay about as long as
-    the contexts: left alone it would grow by the batch's width per step (123 positions here)."""
+    the contexts: left alone it would grow by the batch's width per step (123 positions here).
+    (Merging the rows' pasts into one row, which has no pads, is turned off here.)"""
+    import genlm_core.kv_reuse
+
+    monkeypatch.setattr(genlm_core.kv_reuse, "plan_merged", lambda rows, outputs=None: None)
     path, ref = tiny
     lm = make(path)
     a, b = [7, 8, 9], [7, 8, 10]
@@ -151,6 +155,37 @@ def test_shared_new_tokens_run_once_in_a_packed_row(tiny, plain_head):
         before = lm.tokens_computed
         assert max_error([lm.next_token_logprobs_sync(grown)], [grown], ref) <= TOL
         assert lm.tokens_computed - before == len(grown) - len(prompt) - 2
+
+
+@pytest.mark.parametrize("plain_head", [True, False])
+def test_sequences_in_different_blocks_run_over_one_merged_past(tiny, plain_head):
+    """A beam's sequences share a long prefix but were stored by different batches: their next batch
+    is one row over a merged past that holds the shared prefix once. Rows are exact, each token runs
+    once, and later extensions reuse the states stored from that row."""
+    path, ref = tiny
+    lm = make(path)
+    lm.plain_head = plain_head
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    lm.next_token_logprobs_sync(prompt + [5])
+    lm.next_token_logprobs_sync(prompt + [6])  # another batch, another block
+    plans = []
+    forward_new = lm.forward_new
+
+    def spy(plan):
+        plans.append(plan)
+        return forward_new(plan)
+
+    lm.forward_new = spy
+    contexts = [prompt + [5, 7], prompt + [6, 8], prompt + [6, 9, 10]]
+    before = lm.tokens_computed
+    rows = gather(lm, contexts)
+    assert max_error(rows, contexts, ref) <= TOL
+    assert lm.tokens_computed - before == 4
+    assert len(plans) == 1 and plans[0].merged is not None and plans[0].merged.length == len(prompt) + 2
+    for grown in (prompt + [5, 7, 11], prompt + [6, 9, 10, 12]):
+        before = lm.tokens_computed
+        assert max_error([lm.next_token_logprobs_sync(grown)], [grown], ref) <= TOL
+        assert lm.tokens_computed - before == 1
 
 
 def test_a_head_that_is_not_the_output_embedding_is_detected(tiny):

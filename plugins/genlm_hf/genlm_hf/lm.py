@@ -198,7 +198,31 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
                 v[d] = bv.index_select(0, s).gather(2, per_head)
         return kv, torch.from_numpy(mask).to(self.device)
 
+    def _merged_past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
+        """The merged past of a one-row plan (:class:`~genlm_core.kv_reuse.MergedPast`) and the mask
+        ``[width, past + width]`` of what each new token sees."""
+        m = plan.merged
+        assert m is not None and plan.tree is not None
+        attention = torch.from_numpy(np.concatenate([m.seen, plan.tree[0]], axis=1)).to(self.device)
+        if not m.length:
+            return None, attention
+        kv = [
+            (k.new_empty(1, k.shape[1], m.length, k.shape[3]), v.new_empty(1, v.shape[1], m.length, v.shape[3]))
+            for k, v in m.sources[0][0].kv
+        ]
+        for block, row, columns, at in m.sources:
+            src = torch.from_numpy(columns).to(self.device)
+            dst = torch.from_numpy(at).to(self.device)
+            for (k, v), (bk, bv) in zip(kv, block.kv):
+                k[0][:, dst] = bk[row].index_select(1, src)
+                v[0][:, dst] = bv[row].index_select(1, src)
+        return kv, attention
+
     def forward_new(self, plan: BatchPlan) -> tuple[torch.Tensor, KVBlock]:
+        if plan.merged is not None:
+            past, sees = self._merged_past(plan)
+            mask = torch.ones(1, sees.shape[1], dtype=torch.bool, device=self.device)
+            return self._forward(plan, past, sees[None, None], mask)
         past, past_mask = self._past(plan)
         new_mask = torch.from_numpy(plan.new_mask).to(self.device)
         mask = torch.cat([past_mask, new_mask], dim=1)
@@ -208,6 +232,17 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             n, width, seen = len(plan.rows), plan.width, past_mask.shape[1]
             tree = torch.from_numpy(plan.tree).to(self.device)
             attention = torch.cat([past_mask[:, None, :].expand(n, width, seen), tree], dim=2)[:, None]
+        return self._forward(plan, past, attention, mask)
+
+    def _forward(
+        self,
+        plan: BatchPlan,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        attention: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, KVBlock]:
+        """Run the plan's new tokens after ``past`` under ``attention``; logits at ``plan.outputs`` and
+        the new block, whose real positions are ``mask``."""
         rows = torch.tensor([b for b, _ in plan.outputs], device=self.device)
         columns = [c for _, c in plan.outputs]
         inputs = {
