@@ -156,6 +156,19 @@ class BatchPlan:
         return holes > max(8, self.past_length // 4)
 
 
+def lay_tree(sees: np.ndarray, positions: np.ndarray, start: int, parents: Sequence[int], done: int) -> None:
+    """Write a token tree laid out from column ``start``: ``sees[start + j]`` marks token ``j`` and its
+    ancestors, ``positions[start + j]`` its depth after ``done`` cached tokens (``parents`` as in
+    :attr:`KVRow.tree`, parents first)."""
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            sees[start + j] = sees[start + parent]
+            positions[start + j] = positions[start + parent] + 1
+        else:
+            positions[start + j] = done
+        sees[start + j, start + j] = True
+
+
 def plan_batch(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) -> BatchPlan:
     """Lay out ``rows`` (each with at least one new token) as one batch. ``outputs``: ``(row, j)``
     for each logits row wanted, ``j`` indexing the row's new tokens (default: each row's last)."""
@@ -178,13 +191,7 @@ def plan_batch(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) 
                 tree[b, start:, start:] = np.tri(len(new), dtype=bool)
         else:
             assert tree is not None
-            for j, parent in enumerate(r.tree[1]):
-                if parent >= 0:
-                    tree[b, start + j] = tree[b, start + parent]
-                    positions[b, start + j] = positions[b, start + parent] + 1
-                else:
-                    positions[b, start + j] = r.done
-                tree[b, start + j, start + j] = True
+            lay_tree(tree[b], positions[b], start, r.tree[1], r.done)
         if tree is not None:
             tree[b, np.arange(start), np.arange(start)] = True  # a pad sees itself: no query sees nothing
         columns.append(r.entry[2] if r.entry is not None and len(r.entry) > 2 else None)
@@ -271,8 +278,8 @@ def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None)
     width = sum(len(r.new) for r in rows)
     longest, past = max(len(r.new) for r in rows), max(r.done for r in rows)
     padded_cost = len(rows) * longest * (TOKEN_COST + past + longest)
-    sources = [r.entry for r in rows if r.entry is not None]
-    if not (len(sources) == len(rows) and all(len(e) == 2 and e[0] is sources[0][0] for e in sources)):
+    entries = [r.entry for r in rows if r.entry is not None]
+    if not (len(entries) == len(rows) and all(len(e) == 2 and e[0] is entries[0][0] for e in entries)):
         padded_cost += COPY_COST * len(rows) * past  # the padded layout gathers each row's past
 
     def worth_it(length: int) -> bool:
@@ -314,16 +321,9 @@ def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None)
     for r, prefix in zip(rows, prefixes):
         offsets.append(at_token)
         new = r.new
+        input_ids[0, at_token : at_token + len(new)] = new
         parents = r.tree[1] if r.tree is not None else tuple(range(-1, len(new) - 1))
-        for j, parent in enumerate(parents):
-            g = at_token + j
-            input_ids[0, g] = new[j]
-            if parent >= 0:
-                tree[0, g] = tree[0, at_token + parent]
-                positions[0, g] = positions[0, at_token + parent] + 1
-            else:
-                positions[0, g] = r.done
-            tree[0, g, g] = True
+        lay_tree(tree[0], positions[0], at_token, parents, r.done)
         seen[at_token : at_token + len(new), prefix] = True
         at_token += len(new)
     sources = [

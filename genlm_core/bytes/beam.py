@@ -8,6 +8,7 @@ pruned). Every model call and trie sum of one step is issued concurrently, so th
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 import warnings
@@ -34,18 +35,6 @@ log = logging.getLogger(__name__)
 
 #: Prefill stops speculating after the byte at which more than this many new contexts are wanted.
 PREFETCH_BUDGET = 24
-
-
-def bisect_right_desc(values: list[float], x: float) -> int:
-    """How many of ``values`` (sorted descending) are >= ``x``."""
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if values[mid] >= x:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass
@@ -309,11 +298,12 @@ class ByteBeamState:
                 sure = sorted((w for _, _, w, m, e in frontier if e), reverse=True)
                 if len(sure) >= K:
                     frontier = [f for f in frontier if f[2] >= sure[K - 1]]
-                ranks = sorted((f[2] for f in frontier), reverse=True)
+                ranks = sorted(-f[2] for f in frontier)  # negated weights, ascending
+            root_child = trie.children(trie.root).get(b)
             following: list[Hypothesis] = []
             for lm_state, node, weight, mass, exists in frontier:
                 # surely in the pruned beam: fewer than K others can weigh as much
-                kept = exists and (depth == 0 or bisect_right_desc(ranks, weight) <= K)
+                kept = exists and (depth == 0 or bisect.bisect_right(ranks, -weight) <= K)
                 child = trie.children(node).get(b)
                 if child is not None:
                     if mass is None:
@@ -334,7 +324,6 @@ class ByteBeamState:
                         contexts[key] = None
                         if known(key) is None:
                             new += 1
-                    root_child = trie.children(trie.root).get(b)
                     if root_child is None:
                         continue
                     cm = known(key)
