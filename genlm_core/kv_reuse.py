@@ -327,7 +327,9 @@ def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None)
         seen[at_token : at_token + len(new), prefix] = True
         at_token += len(new)
     sources = [
-        (block, row, np.asarray(c, np.int64), np.asarray(a, np.int64)) for block, row, c, a in by_source.values()
+        (block, row, np.asarray(c, np.int64), np.asarray(a, np.int64))
+        for block, row, c, a in by_source.values()
+        if a  # a row whose prefix is all in earlier rows' adds nothing
     ]
     wanted = outputs if outputs is not None else [(b, len(r.new) - 1) for b, r in enumerate(rows)]
     merged = MergedPast(length, sources, seen, prefixes, offsets)

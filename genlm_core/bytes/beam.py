@@ -137,6 +137,7 @@ class ByteBeamState:
         self.states = sorted(states, key=lambda s: -s.weight)
         self.params = params
         self.trie = trie if trie is not None else (states[0].trie if states else None)
+        self._masses_seen: dict[tuple[int, ...], Masses] = {}  # by context, from _prefetch
 
     def _ensure_open(self) -> None:
         if self.trie is not None and self.trie.closed:
@@ -191,6 +192,10 @@ class ByteBeamState:
             log_z = float(np.logaddexp(log_z, logsumexp([e.weight for e in extensions])))
         self._ensure_open()
         keep = [e for e in extensions if e.weight - log_z > self.params.log_prune_threshold]
+        if self._masses_seen:  # computed by _prefetch from the same rows
+            for e in keep:
+                if e.masses is None:
+                    e.masses = self._masses_seen.get(tuple(e.lm_state.context))
         return list(await asyncio.gather(*(e.materialize() for e in keep)))
 
     async def __lshift__(self, b: int) -> ByteBeamState:
@@ -274,7 +279,8 @@ class ByteBeamState:
         cached) has an exact weight; one without has its weight when it was made as an upper bound
         (weights only fall). At each byte, hypotheses whose bound is below the ``K``-th exact weight of
         hypotheses that surely exist are surely pruned, and their continuations are not requested.
-        Stops after the byte at which more than ``budget`` new contexts are wanted."""
+        Stops after the byte at which more than ``budget`` new contexts are wanted. The masses it
+        computes stay on this beam, for :meth:`extend` to reuse."""
         if not self.states:
             return []
         first = self.states[0]
@@ -284,7 +290,7 @@ class ByteBeamState:
         def known(key: tuple[int, ...]) -> Masses | None:
             if key not in masses_of:
                 row = lm.cache.get(lm.request(key))
-                masses_of[key] = None if row is None else trie.masses(row.double().exp(), mode)
+                masses_of[key] = None if row is None else trie.masses(row, mode, log=True)
             return masses_of[key]
 
         # (lm_state, node, weight, masses or None, surely exists); weight is exact when masses are known
@@ -334,9 +340,12 @@ class ByteBeamState:
                         following.append((committed, root_child, w, cm, kept))
             frontier = following
             if depth == 0 and new == 0:
-                return []
+                break
             if budget is not None and new > budget:
                 break
+        self._masses_seen = {key: m for key, m in masses_of.items() if m is not None}
+        if new == 0:
+            return []
         return [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts if known(c) is None]
 
     async def greedy(self, context: bytes, steps: int) -> bytes:

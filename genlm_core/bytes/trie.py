@@ -238,19 +238,34 @@ class TokenByteTrie:
         kids = self.kid_node[lo:hi][self.kid_edge[lo:hi] == END]
         return [(int(leaf), int(self.trie.index.node_token[leaf])) for leaf in kids]
 
-    def masses(self, probs: Any, mode: TrieMode = TrieMode.WITHOUT_EOS) -> Masses:
+    def masses(self, probs: Any, mode: TrieMode = TrieMode.WITHOUT_EOS, *, log: bool = False) -> Masses:
         """Lazy :class:`Masses` of one probability vector over the vocabulary (numpy or torch, any
-        float dtype). ValueError for a wrong shape or a probability that is NaN, infinite or negative."""
+        float dtype); with ``log``, of the exponentials of a log-probability vector, taken in float64
+        (so a float32 row loses nothing). ValueError for a wrong shape or a probability that is NaN,
+        infinite or negative.
+
+        The work is numpy's and numba's, on the calling thread: torch's thread pool stays free for the
+        model computing the next batch meanwhile."""
         mode = check_mode(mode)
         p = self.trie.check_weights(probs, single=True, check_values=False)[0]
         if isinstance(p, torch.Tensor):
             p = p.cpu().numpy()
-        leaf_probs = np.empty(len(self.leaf_tokens))
-        total, bad = _gather_leaves(p, self.leaf_tokens, leaf_probs)
+        if log:
+            leaf_probs = p[self.leaf_tokens].astype(np.float64)
+            np.exp(leaf_probs, out=leaf_probs)
+            total = float(leaf_probs.sum())
+            bad = -1 if math.isfinite(total) else int(self.leaf_tokens[np.flatnonzero(~np.isfinite(leaf_probs))[0]])
+        else:
+            leaf_probs = np.empty(len(self.leaf_tokens))
+            total, bad = _gather_leaves(p, self.leaf_tokens, leaf_probs)
         if bad >= 0:
-            raise ValueError(f"probability of token {bad} is {p[bad]}: probabilities must be finite and >= 0")
+            value = f"exp({p[bad]})" if log else p[bad]
+            raise ValueError(f"probability of token {bad} is {value}: probabilities must be finite and >= 0")
         leaf_probs[self._zeroed_ranks[mode]] = 0.0
-        eos = float(p[self.eos_token_ids].sum(dtype=np.float64)) if mode is TrieMode.WITH_EOS else 0.0
+        eos = 0.0
+        if mode is TrieMode.WITH_EOS:
+            at_eos = p[self.eos_token_ids].astype(np.float64)
+            eos = float((np.exp(at_eos) if log else at_eos).sum())
         return Masses(self, leaf_probs, total, eos)
 
     def logp_next(self, node: int, mass: Masses, mode: TrieMode) -> np.ndarray:

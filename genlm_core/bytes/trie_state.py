@@ -80,7 +80,7 @@ class LazyTrieState:
             logprobs = await self.lm_state.logp_next()
             # exp in float64: the float32 row is the exact input; rounding its exponentials to float32
             # would cost ~1e-7 of log Z per step
-            self.masses = self.trie.trie.masses(logprobs.double().exp(), self.mode)
+            self.masses = self.trie.trie.masses(logprobs, self.mode, log=True)
         return self
 
     def cleanup(self) -> Closed:

@@ -286,6 +286,26 @@ def test_byte_trie_masses_refuse_negative_probabilities():
         TokenByteTrie(VOCAB).masses(p)
 
 
+@pytest.mark.parametrize("mode", list(TrieMode))
+def test_byte_trie_masses_of_log_probabilities_equal_those_of_their_exponentials(mode):
+    """``masses(logp, log=True)`` (numpy's exp in float64 of a float32 row) against the float64
+    exponentials summed by the probability path: every node, the root's total and EOS."""
+    logp = torch.log_softmax(torch.linspace(-3.0, 4.0, V) ** 2, 0)
+    trie = TokenByteTrie(VOCAB, eos_token_ids=[1])
+    got, reference = trie.masses(logp, mode, log=True), trie.masses(logp.double().exp().numpy(), mode)
+    assert got.total == pytest.approx(reference.total, rel=1e-14) and got.eos == pytest.approx(reference.eos, rel=1e-14)
+    for n in range(trie.trie.num_nodes):
+        assert math.isclose(got[n], reference[n], rel_tol=1e-13)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_byte_trie_masses_of_log_probabilities_name_the_token_whose_exponential_is_bad(bad):
+    logp = torch.full((V,), -math.log(V))
+    logp[4] = bad
+    with pytest.raises(ValueError, match=rf"probability of token 4 is exp\({bad}\)"):
+        TokenByteTrie(VOCAB).masses(logp, log=True)
+
+
 @SETTINGS
 @given(text=st.text(max_size=4))
 def test_a_str_prefix_means_its_utf8_bytes(text):

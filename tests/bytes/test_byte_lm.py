@@ -148,6 +148,33 @@ def test_prefill_speculates_only_what_the_beam_could_still_need(mock_lm, monkeyp
     asyncio.run(main())
 
 
+def test_prefill_sums_each_row_over_the_trie_once(mock_lm, monkeypatch):
+    """A row's trie masses, computed when the speculation looked at it, are reused when the beam
+    takes the same context: one trie sum per distinct row, and the same log Z."""
+    from genlm_core.bytes.trie import TokenByteTrie
+
+    rows: list[tuple[bytes, TrieMode]] = []  # each trie sum's row and mode (the beam ends WITH_EOS)
+    own = TokenByteTrie.masses
+
+    def counted(trie, probs, mode=TrieMode.WITHOUT_EOS, *, log=False):
+        rows.append((np.asarray(probs).tobytes(), mode))
+        return own(trie, probs, mode, log=log)
+
+    async def prefill(lookahead):
+        mock_lm.clear_cache()
+        beam = await ByteBeamState.initial(mock_lm, BeamParams(K=2, heal=False))
+        return (await beam.prefill(b"the abc the ab cab", lookahead)).logZ
+
+    async def main():
+        z1 = await prefill(1)
+        monkeypatch.setattr(TokenByteTrie, "masses", counted)
+        z = await prefill(4)
+        assert z == pytest.approx(z1, abs=1e-9)
+        assert len(rows) > 10 and len(rows) == len(set(rows))
+
+    asyncio.run(main())
+
+
 def test_prefill_equals_stepping_bytes_one_by_one(mock_lm):
     async def main():
         beam = await ByteBeamState.initial(mock_lm, BeamParams(K=3))

@@ -153,6 +153,18 @@ def test_plan_merged_keeps_each_shared_prefix_token_once_and_shows_each_sequence
     assert at[0] == (a, 0, 2)  # the first source of the shared prefix: a's row 0, after its holes
 
 
+def test_plan_merged_lists_only_sources_that_add_positions():
+    """A sequence whose whole prefix is in an earlier row's (here: a prefix of it, stored in another
+    block) takes every past position from that row: its own block is no source."""
+    shared = tuple(range(10, 110))
+    a = make_block(1, 102)  # (shared, 1, 2)
+    b = make_block(1, 101)  # (shared, 1): the same tokens, computed in another batch
+    rows = [KVRow((*shared, 1, 2, 7), done=102, entry=(a, 0)), KVRow((*shared, 1, 8), done=101, entry=(b, 0))]
+    m = plan_merged(rows).merged
+    assert m.length == 102 and [(blk, row) for blk, row, _, _ in m.sources] == [(a, 0)]
+    np.testing.assert_array_equal(m.prefixes[1], range(101))
+
+
 def test_plan_merged_declines_when_rows_share_little_or_reuse_one_block():
     """Particles of an SMC step (one new token each after pasts that share only a prompt) keep the
     padded layout: merging would attend over every particle's past for every token."""

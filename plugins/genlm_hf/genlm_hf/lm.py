@@ -80,6 +80,21 @@ def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
     return cache
 
 
+def _copy_run(
+    past: list[tuple[torch.Tensor, torch.Tensor]],
+    source: list[tuple[torch.Tensor, torch.Tensor]],
+    row: int,
+    columns: torch.Tensor,
+    start: int,
+) -> None:
+    """Copy positions ``columns`` of ``source``'s row ``row`` to the one-row ``past`` from position
+    ``start`` on, in every layer (one read and one write of each state)."""
+    end = start + len(columns)
+    for (k, v), (sk, sv) in zip(past, source):
+        torch.index_select(sk[row], 1, columns, out=k[0, :, start:end])
+        torch.index_select(sv[row], 1, columns, out=v[0, :, start:end])
+
+
 class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     """A Hugging Face causal LM: batched, exact next-token logprobs with automatic KV reuse.
 
@@ -176,26 +191,31 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         if whole is not None and not plan.worth_compacting():
             return whole.kv, whole.mask
         length = plan.real_past_length
-        kv = [
-            (k.new_zeros(n, k.shape[1], length, k.shape[3]), v.new_zeros(n, v.shape[1], length, v.shape[3]))
-            for k, v in plan.groups[0][0].kv
-        ]
         mask = np.zeros((n, length), bool)
+        gathered = []
         for block, dst, src in plan.groups:
-            index = np.zeros((len(dst), length), np.int64)
+            # per row, the source columns of its past; its pads repeat its first column (finite values,
+            # masked out), so one gather per layer fills every position
+            index = np.empty((len(dst), length), np.int64)
             for i, (b, row) in enumerate(zip(dst, src)):
                 columns = plan.columns[b]
                 if columns is None:
                     columns = np.flatnonzero(block.host_mask[row])
                 index[i, length - len(columns) :] = columns
+                index[i, : length - len(columns)] = columns[0]
                 mask[b, length - len(columns) :] = True
+            rows = torch.tensor(src, device=self.device)[:, None, None]
+            heads = torch.arange(block.kv[0][0].shape[1], device=self.device)[None, :, None]
+            at = torch.from_numpy(index).to(self.device)[:, None, :]
+            gathered.append((dst, [(k[rows, heads, at], v[rows, heads, at]) for k, v in block.kv]))
+        if len(gathered) == 1 and gathered[0][0] == list(range(n)):
+            return gathered[0][1], torch.from_numpy(mask).to(self.device)
+        kv = [(k.new_zeros(n, *k.shape[1:]), v.new_zeros(n, *v.shape[1:])) for k, v in gathered[0][1]]
+        for dst, states in gathered:
             d = torch.tensor(dst, device=self.device)
-            s = torch.tensor(src, device=self.device)
-            positions = torch.from_numpy(index).to(self.device)[:, None, :, None]
-            for (k, v), (bk, bv) in zip(kv, block.kv):
-                per_head = positions.expand(-1, bk.shape[1], -1, bk.shape[3])
-                k[d] = bk.index_select(0, s).gather(2, per_head)
-                v[d] = bv.index_select(0, s).gather(2, per_head)
+            for (k, v), (gk, gv) in zip(kv, states):
+                k.index_copy_(0, d, gk)
+                v.index_copy_(0, d, gv)
         return kv, torch.from_numpy(mask).to(self.device)
 
     def _merged_past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
@@ -211,11 +231,10 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             for k, v in m.sources[0][0].kv
         ]
         for block, row, columns, at in m.sources:
-            src = torch.from_numpy(columns).to(self.device)
-            dst = torch.from_numpy(at).to(self.device)
-            for (k, v), (bk, bv) in zip(kv, block.kv):
-                k[0][:, dst] = bk[row].index_select(1, src)
-                v[0][:, dst] = bv[row].index_select(1, src)
+            # ``at`` ascends: its runs of consecutive positions are slices of the merged past
+            breaks = np.flatnonzero(np.diff(at) != 1) + 1
+            for lo, hi in zip([0, *breaks], [*breaks, len(at)]):
+                _copy_run(kv, block.kv, row, torch.from_numpy(columns[lo:hi]).to(self.device), int(at[lo]))
         return kv, attention
 
     def forward_new(self, plan: BatchPlan) -> tuple[torch.Tensor, KVBlock]:
