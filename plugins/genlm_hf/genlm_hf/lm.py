@@ -67,17 +67,50 @@ def position_limit(model: Any) -> int | None:
     return None
 
 
-def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
-    """A DynamicCache holding ``kv`` without copying it (the model's update concatenates, never writes)."""
+def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None, length: int | None = None) -> Any:
+    """A DynamicCache holding ``kv`` without copying it. With ``length``, ``kv`` holds the past in its first
+    ``length`` positions and has room after them for the new tokens, which are written there in place;
+    else the model's update concatenates (a copy of the past, never a write into it)."""
     from transformers import DynamicCache
 
     if kv is None:
         return DynamicCache()
+    if length is not None:
+        cache = DynamicCache()
+        cache.layers = [_layer_with_room()(k, v, length) for k, v in kv]
+        return cache
     cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
     layer: Any  # full-attention layers (the only kind KV reuse runs on)
     for layer, (k, v) in zip(cache.layers, kv):
         layer.keys, layer.values = k, v
     return cache
+
+
+@functools.cache
+def _layer_with_room() -> type:
+    """A transformers cache layer over a past allocated with room for the new tokens (defined on first
+    use, so that importing genlm_hf does not import transformers)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class LayerWithRoom(DynamicLayer):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+            super().__init__()
+            self.room = (keys, values)
+            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+            self.dtype, self.device = keys.dtype, keys.device
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            keys, values = self.room
+            start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+            if end > keys.shape[-2]:
+                return super().update(key_states, value_states, *args, **kwargs)
+            keys[:, :, start:end] = key_states
+            values[:, :, start:end] = value_states
+            self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+            return self.keys, self.values
+
+    return LayerWithRoom
 
 
 def _copy_run(
@@ -180,54 +213,56 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             out[rows] = logits.float()
         return out
 
-    def _past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
-        """The batch's past KV and its mask ``[batch, past_length]``, from the rows' cached prefixes:
-        an earlier block as it is when the batch is exactly its rows (no copy), else every row's
-        own positions gathered, in order, right-aligned (holes and other sequences' tokens left out)."""
+    def _past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor, bool]:
+        """The batch's past KV, its mask ``[batch, past_length]`` and whether the KV has room for the
+        new tokens after the past, from the rows' cached prefixes: an earlier block as it is when the
+        batch is exactly its rows (no copy, no room), else every row's own positions gathered, in
+        order, right-aligned (holes and other sequences' tokens left out), with room."""
         n = len(plan.rows)
         if not plan.groups:
-            return None, torch.zeros(n, 0, dtype=torch.bool, device=self.device)
+            return None, torch.zeros(n, 0, dtype=torch.bool, device=self.device), False
         whole = plan.reuses_whole_block()
         if whole is not None and not plan.worth_compacting():
-            return whole.kv, whole.mask
+            return whole.kv, whole.mask, False
         length = plan.real_past_length
         mask = np.zeros((n, length), bool)
         gathered = []
         for block, dst, src in plan.groups:
-            # per row, the source columns of its past; its pads repeat its first column (finite values,
-            # masked out), so one gather per layer fills every position
-            index = np.empty((len(dst), length), np.int64)
+            # per row, the source columns of its past; its pads and the room after the past repeat its
+            # first column (finite values, masked out or overwritten), so one gather per layer fills all
+            index = np.empty((len(dst), length + plan.width), np.int64)
             for i, (b, row) in enumerate(zip(dst, src)):
                 columns = plan.columns[b]
                 if columns is None:
                     columns = np.flatnonzero(block.host_mask[row])
-                index[i, length - len(columns) :] = columns
-                index[i, : length - len(columns)] = columns[0]
+                index[i] = columns[0]
+                index[i, length - len(columns) : length] = columns
                 mask[b, length - len(columns) :] = True
             rows = torch.tensor(src, device=self.device)[:, None, None]
             heads = torch.arange(block.kv[0][0].shape[1], device=self.device)[None, :, None]
             at = torch.from_numpy(index).to(self.device)[:, None, :]
             gathered.append((dst, [(k[rows, heads, at], v[rows, heads, at]) for k, v in block.kv]))
         if len(gathered) == 1 and gathered[0][0] == list(range(n)):
-            return gathered[0][1], torch.from_numpy(mask).to(self.device)
+            return gathered[0][1], torch.from_numpy(mask).to(self.device), True
         kv = [(k.new_zeros(n, *k.shape[1:]), v.new_zeros(n, *v.shape[1:])) for k, v in gathered[0][1]]
         for dst, states in gathered:
             d = torch.tensor(dst, device=self.device)
             for (k, v), (gk, gv) in zip(kv, states):
                 k.index_copy_(0, d, gk)
                 v.index_copy_(0, d, gv)
-        return kv, torch.from_numpy(mask).to(self.device)
+        return kv, torch.from_numpy(mask).to(self.device), True
 
     def _merged_past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
-        """The merged past of a one-row plan (:class:`~genlm_core.kv_reuse.MergedPast`) and the mask
-        ``[width, past + width]`` of what each new token sees."""
+        """The merged past of a one-row plan (:class:`~genlm_core.kv_reuse.MergedPast`), with room for
+        the new tokens after it, and the mask ``[width, past + width]`` of what each new token sees."""
         m = plan.merged
         assert m is not None and plan.tree is not None
         attention = torch.from_numpy(np.concatenate([m.seen, plan.tree[0]], axis=1)).to(self.device)
         if not m.length:
             return None, attention
+        size = m.length + plan.width
         kv = [
-            (k.new_empty(1, k.shape[1], m.length, k.shape[3]), v.new_empty(1, v.shape[1], m.length, v.shape[3]))
+            (k.new_empty(1, k.shape[1], size, k.shape[3]), v.new_empty(1, v.shape[1], size, v.shape[3]))
             for k, v in m.sources[0][0].kv
         ]
         for block, row, columns, at in m.sources:
@@ -241,8 +276,8 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         if plan.merged is not None:
             past, sees = self._merged_past(plan)
             mask = torch.ones(1, sees.shape[1], dtype=torch.bool, device=self.device)
-            return self._forward(plan, past, sees[None, None], mask)
-        past, past_mask = self._past(plan)
+            return self._forward(plan, past, sees[None, None], mask, plan.merged.length)
+        past, past_mask, room = self._past(plan)
         new_mask = torch.from_numpy(plan.new_mask).to(self.device)
         mask = torch.cat([past_mask, new_mask], dim=1)
         if plan.tree is None:
@@ -251,7 +286,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             n, width, seen = len(plan.rows), plan.width, past_mask.shape[1]
             tree = torch.from_numpy(plan.tree).to(self.device)
             attention = torch.cat([past_mask[:, None, :].expand(n, width, seen), tree], dim=2)[:, None]
-        return self._forward(plan, past, attention, mask)
+        return self._forward(plan, past, attention, mask, past_mask.shape[1] if room else None)
 
     def _forward(
         self,
@@ -259,16 +294,18 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         past: list[tuple[torch.Tensor, torch.Tensor]] | None,
         attention: torch.Tensor,
         mask: torch.Tensor,
+        past_length: int | None = None,
     ) -> tuple[torch.Tensor, KVBlock]:
         """Run the plan's new tokens after ``past`` under ``attention``; logits at ``plan.outputs`` and
-        the new block, whose real positions are ``mask``."""
+        the new block, whose real positions are ``mask``. ``past_length``: the past is that many
+        positions of ``past``, which has room for the new tokens after them (None: all of it, no room)."""
         rows = torch.tensor([b for b, _ in plan.outputs], device=self.device)
         columns = [c for _, c in plan.outputs]
         inputs = {
             "input_ids": torch.from_numpy(plan.input_ids).to(self.device),
             "attention_mask": attention,
             "position_ids": torch.from_numpy(plan.positions).to(self.device),
-            "past_key_values": _dynamic_cache(past),
+            "past_key_values": _dynamic_cache(past, past_length),
             "use_cache": True,
         }
         if all(c == plan.width - 1 for c in columns):
