@@ -95,18 +95,21 @@ def _layer_with_room() -> type:
     class LayerWithRoom(DynamicLayer):
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
             super().__init__()
-            self.room = (keys, values)
+            self.room: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
+            self.length = length  # positions of the room holding states
             self.keys, self.values = keys[:, :, :length], values[:, :, :length]
             self.dtype, self.device = keys.dtype, keys.device
             self.is_initialized = True
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            keys, values = self.room
-            start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
-            if end > keys.shape[-2]:
+            start, end = self.length, self.length + key_states.shape[-2]
+            if self.room is None or end > self.room[0].shape[-2]:  # no room left: concatenate from now on
+                self.room = None
                 return super().update(key_states, value_states, *args, **kwargs)
+            keys, values = self.room
             keys[:, :, start:end] = key_states
             values[:, :, start:end] = value_states
+            self.length = end
             self.keys, self.values = keys[:, :, :end], values[:, :, :end]
             return self.keys, self.values
 
