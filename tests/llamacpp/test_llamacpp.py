@@ -14,7 +14,7 @@ from genlm_core.errors import ModelNotFoundError
 from genlm_core.testing import check_lm_contract
 from genlm_core.tokenization import decode_vocabulary
 from genlm_llamacpp import LlamaCppLM
-from genlm_llamacpp.engine import EngineConfig, LlamaEngine
+from genlm_llamacpp.engine import EngineConfig, LlamaEngine, repack_weights
 from genlm_llamacpp.files import resolve_gguf
 
 ATOL = 1e-4
@@ -46,6 +46,31 @@ def test_byte_vocab_is_llama_cpps_and_the_hugging_face_tokenizers(tiny):
     if "mistral" in folder or len(pieces) == 32000:
         assert pieces[3 + 0x41] == b"A" and pieces[3 + 0xFF] == b"\xff"  # <0x41>, <0xFF>: raw bytes
     lm.cleanup()
+
+
+def test_weights_are_not_repacked_where_llama_cpp_reports_amx(tiny_gpt2, monkeypatch):
+    """llama.cpp's AMX matrix multiply segfaulted on SmolLM2's Q4_1 GGUF on an AMX machine: by default
+    genlm asks llama.cpp not to repack weights (the AMX path) there, and lets it elsewhere."""
+    amx = "CPU : AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |"
+    assert repack_weights(None, amx) is False
+    assert repack_weights(None, amx.replace("AMX_INT8 = 1 | ", "")) is True
+    assert repack_weights(True, amx) is True and repack_weights(False, "AVX2 = 1") is False
+    from llama_cpp import llama_cpp as lib
+
+    asked = []
+    load = lib.llama_model_load_from_file
+
+    def recorded(path, params):
+        asked.append(params.use_extra_bufts)
+        return load(path, params)
+
+    monkeypatch.setattr(lib, "llama_model_load_from_file", recorded)
+    _, gguf = tiny_gpt2
+    here = lib.llama_print_system_info().decode()
+    for option, want in ((None, repack_weights(None, here)), (True, True), (False, False)):
+        lm = llamacpp(gguf, repack_weights=option)
+        lm.cleanup()
+        assert asked.pop() is want
 
 
 def test_a_tokenizer_with_other_bytes_is_refused(tiny_gpt2):

@@ -111,6 +111,7 @@ class EngineConfig:
     )
     n_gpu_layers: int = 0
     use_mmap: bool = True
+    repack_weights: bool | None = None  #: None: on unless llama.cpp would use its AMX kernels (see below)
 
     def for_model(self, n_ctx_train: int, file_type: str | None) -> EngineConfig:
         """This config with every default decided for a model."""
@@ -131,6 +132,22 @@ class EngineConfig:
         )
 
 
+def repack_weights(asked: bool | None, system_info: str) -> bool:
+    """Whether llama.cpp may repack quantized weights into its faster layouts (its "extra buffer types").
+
+    ``None`` decides from llama.cpp's system info: off where it reports ``AMX_INT8 = 1``, because on such
+    machines it repacks Q4_0/Q4_1/Q8_0 weights for its AMX matrix multiply, which can segfault on the first
+    decode (llama.cpp issue 20824; seen here with SmolLM2's Q4_1 GGUF on a Sapphire Rapids virtual machine).
+    Rows agree either way up to rounding; only speed differs.
+    """
+    if asked is not None:
+        return asked
+    amx = "AMX_INT8 = 1" in system_info
+    if amx:
+        log.info("llama.cpp reports AMX: weights are not repacked (repack_weights=True asks for them)")
+    return not amx
+
+
 def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -147,6 +164,7 @@ class LlamaEngine:
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
         mparams.use_mmap = config.use_mmap
+        mparams.use_extra_bufts = repack_weights(config.repack_weights, lib.llama_print_system_info().decode())
         model = lib.llama_model_load_from_file(self.path.encode(), mparams)
         if not model:
             raise ValueError(f"llama.cpp could not load {self.path!r} (not a GGUF model it supports; see the log)")

@@ -36,6 +36,7 @@ def engine_config(options: LlamaCppOptions) -> EngineConfig:
         flash_attn=options.flash_attn,
         n_gpu_layers=options.n_gpu_layers,
         use_mmap=options.use_mmap,
+        repack_weights=options.repack_weights,
     )
 
 

@@ -59,6 +59,11 @@ class LlamaCppOptions(BackendOptions):
         "its bytes must match llama.cpp's.",
     )
     use_mmap: bool = Field(True, description="Map the GGUF file instead of reading it into memory.")
+    repack_weights: bool | None = Field(
+        None,
+        description="Let llama.cpp repack quantized weights into its faster CPU layouts (rows agree up to rounding). "
+        "None: yes, except on CPUs with AMX, where llama.cpp's AMX kernels can segfault (llama.cpp issue 20824).",
+    )
 
     @model_validator(mode="after")
     def _sizes_fit(self) -> Self:
