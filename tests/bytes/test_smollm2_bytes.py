@@ -8,6 +8,7 @@ from genlm_core.cli import main
 
 
 @pytest.mark.slow
+@pytest.mark.realmodel
 def test_greedy_byte_continuation_is_readable(capsys):
     assert main(["continue", "smollm2", "The capital of France is", "-b", "hf", "-n", "12", "-K", "5"]) == 0
     out = capsys.readouterr().out.strip()

@@ -12,6 +12,8 @@ import pytest
 from .client_suites import CLIENTS, PRIVATE_STATE, SEED_PASSING, run
 
 
+@pytest.mark.slow
+@pytest.mark.clients
 @pytest.mark.parametrize("name", list(CLIENTS))
 def test_client_suite_passes_on_genlm(name, tmp_path):
     listed = SEED_PASSING.read_text().splitlines()

@@ -174,6 +174,8 @@ def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
     np.testing.assert_allclose(got[1][finite], want[1][finite], atol=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_importing_genlm_backend_leaves_the_environment_alone():
     """genlm-backend sets VLLM_USE_V2_MODEL_RUNNER=1 on import, which stops vLLM's CPU build from starting."""
     import os

@@ -266,6 +266,8 @@ def test_rejects_bad_settings():
         AutoBatcher(lambda x: x, flush="soon")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
+@pytest.mark.soak
 async def test_memory_stays_bounded_over_a_million_requests():
     """Live objects after 100,000 and after 1,000,000 requests are the same: nothing is kept per
     request or per batch (statistics keep the last RECENT_BATCHES sizes only)."""

@@ -229,6 +229,8 @@ def run_cli(*argv: str | bytes) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_real_process_exit_codes_and_raw_non_utf8_text():
     bad = run_cli("continue", "gpt2", "x", "-b", "mock", "-n", "-3")
     assert bad.returncode == 2 and bad.stdout == b""

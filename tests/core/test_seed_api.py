@@ -100,7 +100,12 @@ def test_reset_after_an_aborted_run_forgets_the_queue(lm):
         asyncio.run(aborted())
     lm.reset_async_queries()
     assert not lm.batcher._pending
-    assert asyncio.run(asyncio.wait_for(lm.next_token_logprobs([2]), 20)).shape == (lm.vocab_size,)
+
+    async def a_full_batch():  # batch_size requests: flushed at once, not after the fixture's 10 s timeout
+        return await asyncio.gather(*(lm.next_token_logprobs([t]) for t in (2, 3, 4, 5)))
+
+    rows = asyncio.run(asyncio.wait_for(a_full_batch(), 20))
+    assert [row.shape for row in rows] == [(lm.vocab_size,)] * 4
 
 
 def test_clear_kv_cache_keeps_outputs(lm):

@@ -26,7 +26,8 @@ def max_error(rows, contexts, reference):
     return max((row.double() - reference(c, len(row))).abs().max().item() for row, c in zip(rows, contexts))
 
 
-@pytest.fixture(scope="session", params=["llama", "gpt2"])
+# The fast tier runs genlm-hf on the tiny Llama; the same checks on GPT-2's architecture are in the full suite.
+@pytest.fixture(scope="session", params=["llama", pytest.param("gpt2", marks=[pytest.mark.slow, pytest.mark.arch])])
 def tiny(request):
     path = tiny_model_dir(request.param)
     return str(path), Reference(path)

@@ -11,6 +11,7 @@ from genlm_core.testing.models import smollm2_dir
 
 
 @pytest.mark.slow
+@pytest.mark.realmodel
 def test_smollm2_knows_the_capital_of_france():
     lm = load_model_by_name(str(smollm2_dir()), backend="hf")
     ids = lm.tokenizer.encode("The capital of France is")

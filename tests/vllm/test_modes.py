@@ -27,6 +27,7 @@ from genlm_hf import AsyncTransformer
 from genlm_vllm.rows import RpcRows, SharedMemoryRows
 from genlm_vllm.shm_files import leftover_files
 
+pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}  # head_dim 64; 2 heads for TP=2
 ENGINE = {
     "max_num_seqs": 16,
@@ -73,7 +74,8 @@ def hf(path, adapter):
 
 
 @pytest.fixture(scope="module", params=list(MODES))
-def lm(request, path, adapter):
+def lm(request, path, adapter, shared_engine):
+    shared_engine.close()  # one in-process engine at a time
     mode = MODES[request.param]
     options = {
         "dtype": "float32",

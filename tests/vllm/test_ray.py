@@ -47,7 +47,8 @@ CONTEXTS = [[1], [5, 6, 7], list(range(100, 160)), [3, 3, 3, 3], [2000, 2, 250]]
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(shared_engine):
+    shared_engine.close()  # one in-process engine at a time
     spec = importlib.util.spec_from_file_location("genlm_test_ray_cluster", Path(__file__).parent / "ray_cluster.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

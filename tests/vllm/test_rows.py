@@ -313,6 +313,8 @@ def start():
         ("def main():\n    start()\n\nif __name__ == '__main__':\n    main()", False),
     ],
 )
+@pytest.mark.slow
+@pytest.mark.process
 def test_a_script_without_a_main_guard_gets_the_fix_named(tmp_path, body, fails):
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(SCRIPT).format(body=body))

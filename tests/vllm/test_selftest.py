@@ -14,6 +14,7 @@ if importlib.util.find_spec("vllm") is None:
 from genlm_core.testing.models import tiny_model_dir
 from genlm_vllm import selftest
 
+pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}
 ENGINE = {
     "max_num_seqs": 16,
@@ -23,7 +24,7 @@ ENGINE = {
 }
 
 
-def test_the_suite_passes_on_cpu_and_fails_on_a_wrong_row(monkeypatch, capsys):
+def test_the_suite_passes_on_cpu_and_fails_on_a_wrong_row(monkeypatch, capsys, alone):
     path = str(tiny_model_dir("llama", **MODEL))
     options = {"max_model_len": 2048, "engine_opts": ENGINE}
     lines = selftest.suite(path, ["v1"], options, n=8, steps=8)

@@ -1,4 +1,5 @@
-"""genlm-vllm on vLLM's CPU build against genlm-hf on the same tiny float32 model (one engine per session)."""
+"""genlm-vllm on vLLM's CPU build against genlm-hf on the same tiny float32 model: the session's shared in-process
+engine, then engines started and stopped in this process (marked ``layouts``)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ def test_context_past_max_model_len_is_refused_before_the_engine(engine):
     assert engine.driver.batches == calls
 
 
+@pytest.mark.slow
+@pytest.mark.layouts
 def test_cleanup_then_second_engine_in_same_process(engine, path, hf, engine_opts):
     engine.cleanup()
     engine.cleanup()  # twice is fine
@@ -113,7 +116,9 @@ def test_cleanup_then_second_engine_in_same_process(engine, path, hf, engine_opt
         second.cleanup()
 
 
-def test_an_engine_collected_after_the_next_one_started_leaves_it_working(path, hf, engine_opts):
+@pytest.mark.slow
+@pytest.mark.layouts
+def test_an_engine_collected_after_the_next_one_started_leaves_it_working(path, hf, engine_opts, alone):
     """cleanup() tears an in-process engine down at once: were it left to the garbage collector, its
     teardown would destroy vLLM's process-wide parallel groups under whichever engine runs then."""
     options = {"dtype": "float32", "max_model_len": 2048, "engine_opts": engine_opts}
@@ -142,7 +147,9 @@ def test_an_engine_collected_after_the_next_one_started_leaves_it_working(path, 
         third.cleanup()
 
 
-def test_lora_per_request_matches_peft(path, tmp_path, engine_opts):
+@pytest.mark.slow
+@pytest.mark.layouts
+def test_lora_per_request_matches_peft(path, tmp_path, engine_opts, alone):
     """Runs after the other engines are gone (one engine at a time in a process)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
