@@ -19,6 +19,7 @@ import sys
 import tarfile
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 from genlm_core.testing.tokenizers import cache_dir
@@ -119,7 +120,7 @@ def source(name: str) -> Path:
     return out
 
 
-def start(name: str, on_genlm: bool, junit: Path, files: list[str]) -> subprocess.Popen:
+def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 0) -> subprocess.Popen:
     """Start pytest on ``files`` of client ``name``'s suite, writing its results to ``junit``."""
     env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
     root = source(name)
@@ -136,6 +137,7 @@ def start(name: str, on_genlm: bool, junit: Path, files: list[str]) -> subproces
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,
     )
 
 
@@ -150,19 +152,38 @@ def outcomes(name: str, junits: list[Path]) -> dict[str, str]:
     return found
 
 
-def run_all(names: list[str], on_genlm: bool, folder: Path) -> dict[str, dict[str, str]]:
-    """Run the selected files of every suite in ``names`` at once (the files of :data:`APART` in a process of
-    their own); each suite's ``{test id: outcome}``."""
+@dataclass
+class SuiteRuns:
+    """Client suites running in processes of their own; :meth:`outcomes` waits for them."""
+
+    runs: list[tuple[str, Path, subprocess.Popen]]
+
+    def outcomes(self) -> dict[str, dict[str, str]]:
+        """Each suite's ``{test id: outcome}``, once every process has ended."""
+        for _, _, process in self.runs:
+            process.wait()
+        names = dict.fromkeys(name for name, _, _ in self.runs)
+        return {name: outcomes(name, [junit for n, junit, _ in self.runs if n == name]) for name in names}
+
+    def stop(self) -> None:
+        """End the processes still running (a session that stops early)."""
+        for _, _, process in self.runs:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def start_all(names: list[str], on_genlm: bool, folder: Path, nice: int = 0) -> SuiteRuns:
+    """Start the selected files of every suite in ``names`` at once (the files of :data:`APART` in a process
+    of their own), ``nice`` steps below this process's CPU priority."""
     runs: list[tuple[str, Path, subprocess.Popen]] = []
     for name in names:
         apart = APART.get(name, [])
         parts = [p for p in ([f for f in FILES[name] if f not in apart], apart) if p]
         for i, files in enumerate(parts):
             junit = folder / f"{name}-{on_genlm}-{i}.xml"
-            runs.append((name, junit, start(name, on_genlm, junit, files)))
-    for _, _, process in runs:
-        process.wait()
-    return {name: outcomes(name, [junit for n, junit, _ in runs if n == name]) for name in names}
+            runs.append((name, junit, start(name, on_genlm, junit, files, nice)))
+    return SuiteRuns(runs)
 
 
 def main(names: list[str]) -> None:
@@ -175,7 +196,7 @@ def main(names: list[str]) -> None:
         results = {}
         for side in (False, True):
             began = time.perf_counter()
-            results[side] = run_all([name], side, Path("/tmp"))[name]
+            results[side] = start_all([name], side, Path("/tmp")).outcomes()[name]
             results[side, "s"] = time.perf_counter() - began
         for side, label in ((False, "the seeds (genlm-backend, genlm-bytes)"), (True, "genlm (install())")):
             counts = {k: sum(v == k for v in results[side].values()) for k in ("passed", "failure", "error", "skipped")}

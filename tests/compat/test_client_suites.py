@@ -9,20 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from .client_suites import CLIENTS, PRIVATE_STATE, SEED_PASSING, run_all
-
-
-@pytest.fixture(scope="module")
-def on_genlm(tmp_path_factory) -> dict[str, dict[str, str]]:
-    """Every suite's outcomes on genlm: the suites run at once, each in its own processes (one core
-    each at most, mostly: running them side by side takes about half as long as one after another)."""
-    return run_all(list(CLIENTS), on_genlm=True, folder=tmp_path_factory.mktemp("junit"))
+from .client_suites import CLIENTS, PRIVATE_STATE, SEED_PASSING
 
 
 @pytest.mark.slow
 @pytest.mark.clients
 @pytest.mark.parametrize("name", list(CLIENTS))
-def test_client_suite_passes_on_genlm(name, on_genlm):
+def test_client_suite_passes_on_genlm(name, on_genlm):  # on_genlm: conftest.py
     listed = SEED_PASSING.read_text().splitlines()
     expected = [t for t in listed if t.startswith(f"{name}::") and t not in PRIVATE_STATE]
     assert expected, f"no reference results for {name} in {SEED_PASSING.name}"
