@@ -121,7 +121,8 @@ def source(name: str) -> Path:
 
 
 def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 0) -> subprocess.Popen:
-    """Start pytest on ``files`` of client ``name``'s suite, writing its results to ``junit``."""
+    """Start pytest on ``files`` of client ``name``'s suite, writing its results to ``junit`` and its output
+    beside them (``.log``)."""
     env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
     root = source(name)
     if name in STAND_INS:
@@ -131,14 +132,15 @@ def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 
                 link.parent.mkdir(parents=True, exist_ok=True)
                 link.symlink_to(folder, target_is_directory=True)
     command = [sys.executable, "-m", "pytest", "-p", "genlm_compat.pytest_plugin", "-p", "no:cacheprovider", "-q"]
-    return subprocess.Popen(
-        [*command, "--timeout", "600", f"--junitxml={junit}", *files],
-        cwd=root,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=(lambda: os.nice(nice)) if nice else None,
-    )
+    with open(junit.with_suffix(".log"), "wb") as output:  # pytest's own output, beside its results
+        return subprocess.Popen(
+            [*command, "--timeout", "600", f"--junitxml={junit}", *files],
+            cwd=root,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
 
 
 def outcomes(name: str, junits: list[Path]) -> dict[str, str]:
@@ -160,8 +162,11 @@ class SuiteRuns:
 
     def outcomes(self) -> dict[str, dict[str, str]]:
         """Each suite's ``{test id: outcome}``, once every process has ended."""
-        for _, _, process in self.runs:
-            process.wait()
+        for name, junit, process in self.runs:
+            code = process.wait()
+            if not junit.exists():  # pytest itself failed before writing results: show the end of its output
+                output = junit.with_suffix(".log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name}'s suite exited with {code} and no results; its output ends:\n{output}")
         names = dict.fromkeys(name for name, _, _ in self.runs)
         return {name: outcomes(name, [junit for n, junit, _ in self.runs if n == name]) for name in names}
 
