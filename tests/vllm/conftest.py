@@ -29,7 +29,6 @@ class SharedEngine:
 
     def __init__(self) -> None:
         self.lm: AsyncLM | None = None
-        self.starts = 0
 
     def get(self) -> AsyncLM:
         if self.lm is not None:
@@ -51,7 +50,6 @@ class SharedEngine:
                 "engine_opts": ENGINE,
             },
         )
-        self.starts += 1
         return self.lm
 
     def close(self) -> None:
