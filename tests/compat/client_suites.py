@@ -65,6 +65,9 @@ def stand_ins() -> dict[str, Path]:
 #: Files that run in a process of their own beside the rest of their suite, so that the suites run at once
 #: share 2 cores evenly: genlm-control's tests/test_setups.py took 51 of its 123 s of tests here.
 APART = {"genlm-control": ["tests/test_setups.py", "tests/potential/test_autobatch.py"]}
+#: Suites that run with nothing else on the machine: genlm-backend's tests/test_hf_llm.py::test_batch_timeout
+#: asserts that a batch comes back within half a batching timeout, and failed beside a busy test session.
+ALONE = {"genlm-backend"}
 #: Suites whose tests load the names of :func:`stand_ins` (placed in the suite's folder before a run).
 STAND_INS = {"genlm-backend"}
 #: Tests that are not deterministic on genlm-backend itself (unseeded SMC over random logits): each failed

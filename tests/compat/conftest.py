@@ -3,7 +3,8 @@
 Each is a pytest run of its own, in processes of its own that use about one core each and need nothing of
 this process. The session leaves most of a second core idle (engines starting, workers on other
 processes), so the suites start as soon as collection ends, a few steps lower in CPU priority, and the
-tests that read their results (marked ``clients``) go last.
+tests that read their results (those that ask for ``on_genlm``) go last. The suites of ``ALONE`` (a test
+that times genlm's batcher against the wall clock) run last, when the others have ended.
 """
 
 from __future__ import annotations
@@ -14,20 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from .client_suites import SuiteRuns, start_all
+from .client_suites import ALONE, SuiteRuns, start_all
 
 SUITE_RUNS = pytest.StashKey[SuiteRuns]()
+_ALONE = pytest.StashKey[list[str]]()
 _FOLDER = pytest.StashKey[Path]()
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    suites = [item for item in items if item.get_closest_marker("clients")]
+    suites = [item for item in items if "on_genlm" in getattr(item, "fixturenames", ())]
     if not suites or config.option.collectonly:
         return
-    items[:] = [item for item in items if not item.get_closest_marker("clients")] + suites
+    items[:] = [item for item in items if item not in suites] + suites
     names = list(dict.fromkeys(item.callspec.params["name"] for item in suites))  # type: ignore[attr-defined]
     config.stash[_FOLDER] = folder = Path(tempfile.mkdtemp(prefix="genlm-client-suites-"))
-    config.stash[SUITE_RUNS] = start_all(names, on_genlm=True, folder=folder, nice=10)
+    config.stash[_ALONE] = [name for name in names if name in ALONE]
+    beside = [name for name in names if name not in ALONE]
+    config.stash[SUITE_RUNS] = start_all(beside, on_genlm=True, folder=folder, nice=10)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -39,4 +44,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def on_genlm(request: pytest.FixtureRequest) -> dict[str, dict[str, str]]:
     """Every selected suite's ``{test id: outcome}`` on genlm, once its processes have ended."""
-    return request.config.stash[SUITE_RUNS].outcomes()
+    config = request.config
+    found = config.stash[SUITE_RUNS].outcomes()
+    config.stash[SUITE_RUNS] = alone = start_all(config.stash[_ALONE], on_genlm=True, folder=config.stash[_FOLDER])
+    return {**found, **alone.outcomes()}

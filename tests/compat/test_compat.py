@@ -127,6 +127,8 @@ async def test_tries_match_genlm_backends_structure_and_values(ours, backend):
     await seed.cleanup()
 
 
+@pytest.mark.slow
+@pytest.mark.clients
 def test_control_program_gives_genlm_backends_outputs(ours, seed_lm):
     want = asyncio.run(control_program(seed_lm, seed=3))
     got = asyncio.run(control_program(ours, seed=3))
@@ -137,6 +139,8 @@ def test_control_program_gives_genlm_backends_outputs(ours, seed_lm):
         assert got[name]["log_ml"] == pytest.approx(want[name]["log_ml"], abs=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.clients
 def test_llamppl_program_gives_genlm_backends_outputs(ours, seed_lm):
     want = asyncio.run(llamppl_program(seed_lm, seed=4))
     got = asyncio.run(llamppl_program(ours, seed=4))
@@ -144,6 +148,8 @@ def test_llamppl_program_gives_genlm_backends_outputs(ours, seed_lm):
     np.testing.assert_allclose(got["log_weights"], want["log_weights"], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.clients
 def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
     """install() turns genlm-bytes' ByteBeamState.initial(llm, params) into genlm's byte LM: same log Z
     and next-byte distribution as genlm-bytes on genlm-backend (which sums in float32)."""

@@ -117,7 +117,7 @@ class LoopbackCluster:
                 os.killpg(node.pid, signal.SIGTERM)
         for node in self.nodes:
             try:
-                node.wait(30)
+                node.wait(10)
             except subprocess.TimeoutExpired:
                 os.killpg(node.pid, signal.SIGKILL)
                 node.wait()
