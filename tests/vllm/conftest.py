@@ -73,7 +73,8 @@ def engine(shared_engine: SharedEngine) -> AsyncLM:
 
 @pytest.fixture
 def alone(shared_engine: SharedEngine) -> None:
-    """For a test or fixture that starts an engine of its own: the shared one is closed first."""
+    """For a test that starts an engine of its own: the shared one is closed first (a module-scoped
+    fixture that starts one calls ``shared_engine.close()`` itself)."""
     shared_engine.close()
 
 
