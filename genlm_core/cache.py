@@ -7,22 +7,30 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
+import torch
+
 from genlm_core.validation import check_int
 
 
-def _nbytes(value: Any) -> int:
+def _memory(value: Any) -> tuple[tuple[torch.device, int] | None, int]:
+    """The memory ``value`` keeps alive: ``(key, bytes)``. A tensor keeps its whole storage (a row that
+    is a view of a batch's block keeps the block), counted once however many rows share it (key: the
+    storage's address, alive while a cached value holds it); other values count their own bytes."""
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        return (storage.device, storage.data_ptr()), int(storage.nbytes())
     if hasattr(value, "nbytes"):
-        return int(value.nbytes)
-    if hasattr(value, "element_size"):
-        return int(value.element_size() * value.nelement())
-    return 0
+        return None, int(value.nbytes)
+    return None, 0
 
 
 class OutputCache:
     """Least-recently-used cache of computed outputs.
 
     Bounded by ``maxsize`` entries and, optionally, ``max_bytes`` of tensor data (the newest entry
-    is always kept). With ``move_to_cpu`` torch tensors are copied to CPU memory as they are stored.
+    is always kept): the memory the cached values keep alive, so rows that are views of one batch's
+    block count that block once, for as long as any of them is cached.
+    With ``move_to_cpu`` torch tensors are copied to CPU memory as they are stored.
     Keys must carry everything that changes the output (token ids, active adapter, ...).
     Thread-safe: backends fill it from their worker thread.
     """
@@ -37,6 +45,8 @@ class OutputCache:
         self.hits = 0
         self.misses = 0
         self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        #: storage (device, address) -> [cached values in it, its bytes]
+        self._storages: dict[tuple[torch.device, int], list[int]] = {}
         self._lock = threading.Lock()
 
     def get(self, key: Hashable, default: Any = None) -> Any:
@@ -60,15 +70,38 @@ class OutputCache:
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
-                self.nbytes -= _nbytes(old)
+                self._release(old)
             self._data[key] = value
-            self.nbytes += _nbytes(value)
+            self._hold(value)
             while len(self._data) > 1 and (
                 len(self._data) > self.maxsize or (self.max_bytes is not None and self.nbytes > self.max_bytes)
             ):
                 _, evicted = self._data.popitem(last=False)
-                self.nbytes -= _nbytes(evicted)
+                self._release(evicted)
         return value
+
+    def _hold(self, value: Any) -> None:
+        where, size = _memory(value)
+        if where is None:
+            self.nbytes += size
+            return
+        held = self._storages.get(where)
+        if held is None:
+            self._storages[where] = [1, size]
+            self.nbytes += size
+        else:
+            held[0] += 1
+
+    def _release(self, value: Any) -> None:
+        where, size = _memory(value)
+        if where is None:
+            self.nbytes -= size
+            return
+        held = self._storages[where]
+        held[0] -= 1
+        if held[0] == 0:
+            del self._storages[where]
+            self.nbytes -= held[1]
 
     def __contains__(self, key: Hashable) -> bool:
         with self._lock:
@@ -80,4 +113,5 @@ class OutputCache:
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._storages.clear()
             self.nbytes = 0

@@ -7,7 +7,9 @@ keeps sequences alive between calls (vLLM's resumable sessions) continues the li
 that a request extends by at most ``lookback`` tokens.
 
 Matching is on the exact token tuple (and adapter), never on object identity, so a row always
-belongs to exactly the context the caller gave.
+belongs to exactly the context the caller gave. Contexts are keyed by :class:`~genlm_core.request.Request`,
+whose hash reads a fixed number of ids: a lookup costs a C-speed slice and comparison of the context,
+never a Python pass over it.
 """
 
 from __future__ import annotations
@@ -16,22 +18,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from genlm_core.lm import Request
+from genlm_core.request import Request
 
 V = TypeVar("V")
 H = TypeVar("H")
 
 #: A context and the adapter it runs under: what a live sequence is known by.
-LineageKey = tuple[str | None, tuple[int, ...]]
+LineageKey = Request
 
 
 def nearest_prefix(
-    lookup: Callable[[tuple[int, ...]], V | None], context: tuple[int, ...], lookback: int, shortest_cut: int = 0
+    lookup: Callable[[Request], V | None], request: Request, lookback: int, shortest_cut: int = 0
 ) -> tuple[int, V] | None:
-    """The first hit of ``lookup`` on ``context`` less ``shortest_cut``, ``shortest_cut + 1``, ...,
-    ``lookback`` trailing tokens (never the empty context): ``(tokens cut, value)``, or None."""
-    for cut in range(shortest_cut, min(lookback, len(context) - 1) + 1):
-        value = lookup(context[: len(context) - cut])
+    """The first hit of ``lookup`` on ``request``'s context less ``shortest_cut``, ``shortest_cut + 1``,
+    ..., ``lookback`` trailing tokens (never the empty context), as requests under the same
+    adapter: ``(tokens cut, value)``, or None."""
+    n = len(request.token_ids)
+    for cut in range(shortest_cut, min(lookback, n - 1) + 1):
+        value = lookup(request if cut == 0 else request.prefix(n - cut))
         if value is not None:
             return cut, value
     return None
@@ -81,14 +85,13 @@ class LiveContexts(Generic[H]):
         plan: list[Continuation[H] | None] = []
         for request in requests:
 
-            def claim(prefix: tuple[int, ...], adapter: str | None = request.adapter) -> tuple[H, bool] | None:
-                key = (adapter, prefix)
+            def claim(key: Request) -> tuple[H, bool] | None:
                 if key in live:  # a live sequence is continued once; later requests fork it
                     continued[key] = live.pop(key)
                     return continued[key], False
                 return (continued[key], True) if key in continued else None
 
-            hit = nearest_prefix(claim, request.token_ids, self.lookback, shortest_cut=1)
+            hit = nearest_prefix(claim, request, self.lookback, shortest_cut=1)
             if hit is None:
                 plan.append(None)
             else:
@@ -111,14 +114,13 @@ class LiveContexts(Generic[H]):
     def keep(self, request: Request, handle: H) -> H | None:
         """``handle`` holds ``request``'s context alive for the next batch (the newest in line).
         Returns the handle that held the same context before, if any: release it."""
-        key = (request.adapter, request.token_ids)
-        before = self._live.pop(key, None)
-        self._live[key] = handle
-        self._idle[key] = 0
+        before = self._live.pop(request, None)
+        self._live[request] = handle
+        self._idle[request] = 0
         return before if before != handle else None
 
     def contexts(self) -> list[LineageKey]:
-        """The live sequences' ``(adapter, token ids)``, kept longest ago first (the order of :meth:`evict`)."""
+        """The live sequences' contexts (as requests), kept longest ago first (the order of :meth:`evict`)."""
         return list(self._live)
 
     def evict(self) -> H | None:

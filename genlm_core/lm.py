@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, NamedTuple, Self
+from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
@@ -24,25 +24,19 @@ from genlm_core.cache import OutputCache
 from genlm_core.closing import CLOSED, Closed
 from genlm_core.config import BackendOptions
 from genlm_core.errors import ClosedError
+from genlm_core.request import ContextChecker, Request
+from genlm_core.rows import RowMemory, nan_rows, normalise
 from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
 from genlm_core.validation import (
     check_int,
     check_seed,
     check_temperature,
     check_token_id_set,
-    check_token_ids,
 )
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
 log = logging.getLogger(__name__)
-
-
-class Request(NamedTuple):
-    """One next-token request: the context and the adapter active when it was made."""
-
-    token_ids: tuple[int, ...]
-    adapter: str | None = None
 
 
 def logits_to_logprobs(logits: torch.Tensor, vocab_size: int, missing_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,12 +45,7 @@ def logits_to_logprobs(logits: torch.Tensor, vocab_size: int, missing_ids: torch
     Columns past ``vocab_size`` (padded model vocabularies) are dropped before normalising; ids in
     ``missing_ids`` get ``-inf``. The result sums to one in probability space, in float32.
     """
-    if logits.shape[-1] < vocab_size:
-        raise ValueError(f"model returned {logits.shape[-1]} logits, fewer than the vocabulary's {vocab_size}")
-    x = logits[..., :vocab_size].to(torch.float32)
-    if missing_ids is not None and len(missing_ids):
-        x = x.index_fill(-1, missing_ids.to(x.device), float("-inf"))
-    return torch.log_softmax(x, dim=-1)
+    return normalise(logits, vocab_size, missing_ids)
 
 
 class AsyncLM(abc.ABC):
@@ -96,6 +85,10 @@ class AsyncLM(abc.ABC):
         self.str_vocab: list[str] = vocab.str_vocab
         self.vocab_size = len(self.byte_vocab)
         self._missing_ids = torch.tensor(vocab.missing_ids, dtype=torch.long) if vocab.missing_ids else None
+        #: Checks and snapshots contexts (see :class:`~genlm_core.request.ContextChecker`).
+        self.contexts = ContextChecker(self.vocab_size)
+        #: Host memory for rows, reused across batches (see :meth:`finish_rows`).
+        self.row_memory = RowMemory()
         self.cache = OutputCache(o.cache_size, o.cache_bytes, move_to_cpu=cache_to_cpu)
         self.batcher: AutoBatcher[Request, torch.Tensor] = AutoBatcher(
             self.compute_rows,
@@ -183,12 +176,13 @@ class AsyncLM(abc.ABC):
         longer than :attr:`context_limit`.
         """
         self.ensure_open()
-        ids = check_token_ids(token_ids, self.vocab_size)
-        if self.context_limit is not None and len(ids) > self.context_limit:
+        request = self.contexts.request(token_ids, self.adapter_for(lora_name))
+        if self.context_limit is not None and len(request.token_ids) > self.context_limit:
             raise ValueError(
-                f"token_ids has {len(ids)} tokens, more than this model's limit of {self.context_limit} positions"
+                f"token_ids has {len(request.token_ids)} tokens, more than this model's limit of "
+                f"{self.context_limit} positions"
             )
-        return Request(ids, self.adapter_for(lora_name))
+        return request
 
     async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids``, batched with concurrent calls."""
@@ -227,8 +221,8 @@ class AsyncLM(abc.ABC):
         request = self.request(token_ids, lora_name)
         with self.model_lock:
             logits = self.forward_uncached(request)
-        row = logits_to_logprobs(logits.reshape(1, -1), self.vocab_size, self._missing_ids)[0]
-        if torch.isnan(row.sum()):
+        row = normalise(logits.reshape(1, -1), self.vocab_size, self._missing_ids)[0]
+        if nan_rows(row[None])[0]:
             raise FloatingPointError(
                 f"{type(self).__name__} produced NaN logits for context of {len(token_ids)} tokens"
             )
@@ -279,17 +273,35 @@ class AsyncLM(abc.ABC):
         return self.finish_rows(requests, out)
 
     def finish_rows(
-        self, requests: Sequence[Request], out: torch.Tensor | Sequence[torch.Tensor]
+        self,
+        requests: Sequence[Request],
+        out: torch.Tensor | Sequence[torch.Tensor],
+        normalised: bool = False,
     ) -> list[torch.Tensor | Failed]:
         """Turn backend logits for ``requests`` into rows: normalise, check for NaN, cache. Used by
-        :meth:`compute_rows`, and by backends that compute rows outside the batcher (streaming engines)."""
+        :meth:`compute_rows`, and by backends that compute rows outside the batcher (streaming engines).
+
+        One pass over the rows: the log-softmax is written into host memory reused across batches
+        (:class:`~genlm_core.rows.RowMemory`), or where the logits are (an accelerator's rows stay
+        on it), and the rows handed out are views of that block, not copies. ``normalised``: ``out``
+        already holds float32 logprobs over the first ``vocab_size`` columns (an engine that
+        normalised where it computed them); they are used as they are, unless this vocabulary has
+        ids the tokenizer does not cover (then they are normalised again, without those ids)."""
         logits = out if isinstance(out, torch.Tensor) else torch.stack(list(out))
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise RuntimeError(
                 f"{type(self).__name__}.forward_batch returned shape {tuple(logits.shape)} for {len(requests)} requests"
             )
-        logprobs = logits_to_logprobs(logits, self.vocab_size, self._missing_ids)
-        bad = torch.isnan(logprobs.sum(dim=-1)).tolist()  # a NaN anywhere makes the row's sum NaN
+        if normalised and self._missing_ids is None and logits.dtype == torch.float32:
+            if logits.shape[-1] < self.vocab_size:
+                raise ValueError(
+                    f"model returned {logits.shape[-1]} logprobs, fewer than the vocabulary's {self.vocab_size}"
+                )
+            logprobs = logits[:, : self.vocab_size]
+        else:
+            memory = self.row_memory.take(len(requests), self.vocab_size, logits.device)
+            logprobs = normalise(logits, self.vocab_size, self._missing_ids, out=memory)
+        bad = nan_rows(logprobs)
         rows: list[torch.Tensor | Failed] = []
         for r, row, is_bad in zip(requests, logprobs, bad):
             if is_bad:
@@ -301,7 +313,7 @@ class AsyncLM(abc.ABC):
                     )
                 )
             else:
-                rows.append(self.cache.put(r, row.clone() if len(requests) > 1 else row))
+                rows.append(self.cache.put(r, row))
         return rows
 
     # ---- sampling ------------------------------------------------------------------------------

@@ -19,9 +19,10 @@ def test_each_live_context_is_continued_once_by_exact_tokens_and_adapter():
     plan, released = live.plan(requests)
     assert plan == [Continuation("a", (4,)), Continuation("a", (5,), fork=True), Continuation("b", (4, 6)), None, None]
     assert released == ["c"] and len(live) == 0
-    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=1) is None
-    assert nearest_prefix({(1, 2): "x"}.get, (1, 2, 3, 4), lookback=2) == (2, "x")
-    assert nearest_prefix({(1,): "x"}.get, (1,), lookback=5) == (0, "x")
+    assert nearest_prefix({Request((1, 2)): "x"}.get, Request((1, 2, 3, 4)), lookback=1) is None
+    assert nearest_prefix({Request((1, 2)): "x"}.get, Request((1, 2, 3, 4)), lookback=2) == (2, "x")
+    assert nearest_prefix({Request((1,)): "x"}.get, Request((1,)), lookback=5) == (0, "x")
+    assert nearest_prefix({Request((1, 2), "a"): "x"}.get, Request((1, 2, 3)), lookback=2) is None  # adapter
 
 
 def test_a_live_context_lasts_one_batch():

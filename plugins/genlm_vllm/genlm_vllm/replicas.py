@@ -46,7 +46,7 @@ class PrefixRouter:
         self.replicas = replicas
         self.memory = memory
         self.dead: set[int] = set()
-        self._where: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self._where: OrderedDict[Request, int] = OrderedDict()
 
     def assign(self, contexts: Sequence[Sequence[int]]) -> list[int]:
         """One replica index per context."""
@@ -57,7 +57,7 @@ class PrefixRouter:
         fair_share = -(-len(contexts) // len(alive))
         chosen = []
         for context in contexts:
-            key = tuple(context)
+            key = Request(tuple(context))
             replica = self._known(key)
             if replica is None or replica in self.dead or load[replica] >= fair_share:
                 replica = min(alive, key=load.__getitem__)
@@ -66,11 +66,11 @@ class PrefixRouter:
             self._remember(key, replica)
         return chosen
 
-    def _known(self, key: tuple[int, ...]) -> int | None:
+    def _known(self, key: Request) -> int | None:
         hit = nearest_prefix(self._where.get, key, LOOKBACK)
         return None if hit is None else hit[1]
 
-    def _remember(self, key: tuple[int, ...], replica: int) -> None:
+    def _remember(self, key: Request, replica: int) -> None:
         self._where[key] = replica
         self._where.move_to_end(key)
         while len(self._where) > self.memory:

@@ -87,7 +87,7 @@ class Sessions:
         moved: dict[LineageKey, str] = {}
         for request, c in zip(requests, plan, strict=True):
             if c is not None and not c.fork:
-                moved[(request.adapter, request.token_ids[: -len(c.new_tokens)])] = c.handle
+                moved[request.prefix(len(request.token_ids) - len(c.new_tokens))] = c.handle
         released += self._make_room(requests)
         self.core.abort(released)
         self.stats.batches += 1
@@ -114,11 +114,10 @@ class Sessions:
         """A session of a recent batch that continued past a context ``request`` extends (its sibling's),
         newest first; the fork connector checks that it still holds exactly that context."""
 
-        def lookup(prefix: tuple[int, ...]) -> str | None:
-            key = (request.adapter, prefix)
+        def lookup(key: Request) -> str | None:
             return next((batch[key] for batch in reversed(self.moved) if key in batch), None)
 
-        hit = nearest_prefix(lookup, request.token_ids, self.lookback, shortest_cut=1)
+        hit = nearest_prefix(lookup, request, self.lookback, shortest_cut=1)
         return None if hit is None else hit[1]
 
     def _make_room(self, requests: Sequence[Request]) -> list[str]:
@@ -126,7 +125,7 @@ class Sessions:
         oldest first, so that this batch's chunks find a scheduler slot and KV each beside those that stay."""
         slots = self.max_live - len(requests)
         kv = self.kv_budget - sum(len(r.token_ids) + self.block_size for r in requests)
-        sizes = [len(tokens) for _, tokens in self.live.contexts()]  # oldest first, as evict() goes
+        sizes = [len(live.token_ids) for live in self.live.contexts()]  # oldest first, as evict() goes
         parked, held = len(sizes), sum(sizes)
         evicted = []
         for size in sizes:
@@ -148,7 +147,7 @@ class Sessions:
         resumable: list[bool],
     ) -> None:
         """Add one chunk per request to the engine (filling ``chunks`` and ``resumable`` as it goes)."""
-        held = sum(len(tokens) for _, tokens in self.live.contexts())  # KV of the sessions that stay parked
+        held = sum(len(live.token_ids) for live in self.live.contexts())  # KV of the sessions that stay parked
         live_slots, kv_left = self.max_live - len(self.live), self.kv_budget - held
         for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
             kv = len(request.token_ids) + self.block_size

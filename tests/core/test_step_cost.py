@@ -1,0 +1,214 @@
+"""What keeps a step's host cost flat: requests hashed from a sample of ids, contexts checked by their
+new token, rows normalised in one pass into reused memory, the cache counting the memory it keeps.
+
+Every check here compares against an independent reference: whole-tuple equality, the full
+validation of a fresh model, an uncached float64 log-softmax, the bytes torch reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from genlm_core import OutputCache, Request
+from genlm_core.request import HASH_SAMPLE, ContextChecker, context_hash
+from genlm_core.rows import RowMemory, nan_rows, normalise, storage_users
+
+from .helpers import BigramLM
+
+# ---- requests ---------------------------------------------------------------------------------
+
+
+def test_requests_equal_exactly_when_their_contexts_and_adapters_are():
+    rng = random.Random(0)
+    base = [rng.randrange(1000) for _ in range(500)]
+    for pos in [0, 7, 250, 463, 499]:  # 7, 250: positions the hash does not read
+        other = list(base)
+        other[pos] = (other[pos] + 1) % 1000
+        a, b = Request(tuple(base)), Request(tuple(other))
+        assert a != b
+        d = {a: "a", b: "b"}  # two keys even where the hashes collide
+        assert d[Request(tuple(base))] == "a" and d[Request(tuple(other))] == "b"
+    assert Request((1, 2)) == Request((1, 2)) and hash(Request((1, 2))) == hash(Request((1, 2)))
+    assert Request((1, 2), "x") != Request((1, 2))
+    assert Request((1, 2)).prefix(1) == Request((1,))
+
+
+def test_a_hash_reads_a_bounded_number_of_ids():
+    class Counting(tuple):
+        reads = 0
+
+        def __getitem__(self, item):
+            out = super().__getitem__(item)
+            Counting.reads += len(out) if isinstance(item, slice) else 1
+            return out
+
+    for n in [24, 2000, 8000]:
+        Counting.reads = 0
+        context_hash(Counting(range(n)))
+        assert Counting.reads <= 2 * HASH_SAMPLE, (n, Counting.reads)
+
+
+def test_a_request_is_immutable_and_pickles():
+    import pickle
+
+    r = Request((1, 2, 3), "a")
+    with pytest.raises(AttributeError):
+        r.token_ids = (4,)  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(r)) == r
+
+
+# ---- checking contexts by their new token -------------------------------------------------------
+
+
+def test_an_extension_is_checked_in_its_new_token_and_built_from_the_checked_ids():
+    checker = ContextChecker(vocab_size=100)
+    first = checker.request([5, 6, 7], None)
+    assert (checker.checked, checker.extended) == (1, 0)
+    second = checker.request([5, 6, 7, 8], None)
+    assert second == Request((5, 6, 7, 8)) and checker.extended == 1
+    assert all(type(i) is int for i in second.token_ids)
+    assert second.token_ids[:3] is not first.token_ids  # a new tuple, equal to the checked ids
+    with pytest.raises(ValueError, match="position 4"):
+        checker.request([5, 6, 7, 8, 100], None)
+    with pytest.raises(ValueError, match="position 0"):
+        checker.request([-1, 6, 7, 8, 9], None)  # its prefix was never checked: checked whole
+    with pytest.raises(TypeError):
+        checker.request([5, 6, 7, 8, True], None)
+    with pytest.raises(TypeError):
+        checker.request([5, 6, 7, 8, 9.0], None)
+    before = checker.checked
+    checker.request([5, 6, 7, 8], "lora")  # another adapter: checked whole
+    assert checker.checked == before + 1
+
+
+def test_the_memory_of_checked_contexts_is_bounded_by_tokens():
+    checker = ContextChecker(vocab_size=100, max_tokens=50)
+    for i in range(20):
+        checker.request([1, 2, 3, 4, 5, 6, 7, 8, 9, i], None)
+    assert checker.tokens <= 50
+    checker.request([1, 2, 3, 4, 5, 6, 7, 8, 9, 19, 1], None)  # the newest is remembered
+    assert checker.extended == 1
+    checker.request([1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1], None)  # the oldest was forgotten: checked whole
+    assert checker.checked == 21
+
+
+async def test_a_model_answers_extensions_as_a_fresh_model_does(toy_tok):
+    """Particles extend their own contexts for many steps: every row equals a fresh model's row
+    (whose every context is checked whole), and bad ids at the end are refused."""
+    lm, fresh = BigramLM(toy_tok, batch_size=8), BigramLM(toy_tok, batch_size=8)
+    rng = random.Random(1)
+    contexts = [[1, 2] for _ in range(6)]
+    for _ in range(20):
+        for c in contexts:
+            c.append(rng.randrange(lm.vocab_size))
+        rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+        for c, row in zip(contexts, rows):
+            fresh.clear_cache()
+            fresh.contexts.clear()
+            assert torch.equal(row, fresh.next_token_logprobs_sync(c))
+    assert lm.contexts.extended >= 6 * 19
+    with pytest.raises(ValueError):
+        await lm.next_token_logprobs([*contexts[0], lm.vocab_size])
+
+
+# ---- rows: one pass, reused memory -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_a_nan_or_inf_anywhere_in_a_row_is_found_from_one_column(dtype):
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        logits = torch.randn(6, 300).to(dtype)
+        bad = set(rng.choice(6, size=rng.integers(0, 4), replace=False).tolist())
+        for row in bad:
+            kind = rng.integers(3)
+            if kind == 0:
+                logits[row, rng.integers(290)] = float("nan")
+            elif kind == 1:
+                logits[row, rng.integers(290)] = float("inf")
+            else:
+                logits[row] = float("-inf")
+        found = nan_rows(normalise(logits, 290))
+        assert {i for i, b in enumerate(found) if b} == bad
+
+
+def test_normalise_into_memory_matches_float64_log_softmax():
+    logits = torch.randn(5, 120, dtype=torch.float64) * 4
+    missing = torch.tensor([3, 50])
+    out = torch.empty(5, 100)
+    got = normalise(logits, 100, missing, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    ref = logits[:, :100].clone()
+    ref[:, [3, 50]] = float("-inf")
+    ref = torch.log_softmax(ref, -1)
+    torch.testing.assert_close(got.double(), ref, atol=0, rtol=1e-6)  # float32 rounding
+
+
+def test_a_row_anyone_holds_is_never_written_again():
+    memory = RowMemory(probe=4)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []
+    kinds = ["row", "view", "numpy", "none"]
+    for step in range(60):
+        block = memory.take(3, 16, torch.device("cpu"))
+        assert block is not None
+        block.copy_(torch.full((3, 16), float(step)))
+        kind = kinds[step % 4]
+        if kind == "row":
+            held.append((block[1], torch.full((16,), float(step))))
+        elif kind == "view":
+            held.append((block[2, 4:9], torch.full((5,), float(step))))
+        elif kind == "numpy":
+            array = block[0].numpy()
+            held.append((torch.from_numpy(array), torch.full((16,), float(step))))
+        del block
+    for value, expected in held:
+        assert torch.equal(value, expected)
+    assert memory.reused > 0  # the blocks nobody kept came back
+
+
+def test_the_model_reuses_row_memory_once_the_cache_lets_rows_go(toy_tok):
+    lm = BigramLM(toy_tok, batch_size=4, cache_size=8)
+    kept = lm.next_token_logprobs_sync([1, 2])  # the caller keeps this row
+    before = kept.clone()
+    for i in range(40):
+        lm.batch_next_token_logprobs_sync([[3, i % 50, j] for j in range(4)])
+    assert lm.row_memory.reused > 0
+    assert torch.equal(kept, before)
+    assert storage_users(kept) is not None
+
+
+# ---- the cache counts the memory it keeps --------------------------------------------------------
+
+
+def test_rows_of_one_block_count_the_block_once():
+    block = torch.zeros(4, 100)
+    c = OutputCache(maxsize=100, max_bytes=None)
+    for i in range(4):
+        c.put(i, block[i])
+    assert c.nbytes == block.untyped_storage().nbytes()
+    c.put("other", torch.zeros(10))
+    assert c.nbytes == block.untyped_storage().nbytes() + 40
+    for i in range(3):
+        c.put(i, torch.zeros(1))  # replaced: the block is still held by row 3
+    assert c.nbytes == block.untyped_storage().nbytes() + 40 + 3 * 4
+    c.put(3, torch.zeros(1))
+    assert c.nbytes == 40 + 4 * 4
+
+
+def test_the_byte_bound_holds_for_rows_that_share_blocks():
+    c = OutputCache(maxsize=1000, max_bytes=3 * 4 * 100 * 4)  # three blocks of four rows of 100 floats
+    blocks = [torch.zeros(4, 100) for _ in range(10)]
+    for b, block in enumerate(blocks):
+        for i in range(4):
+            c.put((b, i), block[i])
+        held = {id(v.untyped_storage()) for v in c._data.values()}
+        assert c.nbytes <= c.max_bytes
+        assert c.nbytes == sum(
+            {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in c._data.values()}.values()
+        )
+        assert held
