@@ -31,7 +31,17 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
 )
 
 from genlm_vllm import capture
-from genlm_vllm.capture import CONTEXT, PROCESSORS, ROWS, ROWS_LOCK, TAG, CaptureLogits, context_fingerprint
+from genlm_vllm.capture import (
+    CONTEXT,
+    NORMALISE,
+    PROCESSORS,
+    ROWS,
+    ROWS_LOCK,
+    TAG,
+    CaptureLogits,
+    context_fingerprint,
+    write_rows,
+)
 
 VOCAB = 50
 
@@ -47,17 +57,33 @@ class Job:
     done: int = 0  # tokens computed so far
     output: list[int] = field(default_factory=list)
     wrong_context: bool = False  # its fingerprint names another context: it must get no row
+    normalise: int | None = None  # the row comes back normalised over this many first columns
 
     def params(self) -> SamplingParams:
         args = {}
         if self.tag is not None:
             args[TAG] = self.tag
+            if self.normalise is not None:
+                args[NORMALISE] = self.normalise
             tokens = self.tokens + [1] if self.wrong_context else self.tokens
             args[CONTEXT] = context_fingerprint(tuple(tokens))
         return SamplingParams(max_tokens=1, extra_args=args or None)
 
 
-def new_job(rng: random.Random, n: int) -> Job:
+def expected_row(logits: torch.Tensor, width: int | None) -> torch.Tensor:
+    """The row a request gets: the logits as they were, or their float64 log-softmax over ``width``."""
+    if width is None:
+        return logits.clone()
+    return torch.log_softmax(logits[:width].double(), -1)
+
+
+def same_row(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    if expected.dtype == torch.float64:
+        return got.dtype == torch.float32 and torch.allclose(got.double(), expected, atol=1e-5, rtol=0)
+    return bool(got.equal(expected))
+
+
+def new_job(rng: random.Random, n: int, normalise: int | None = None) -> Job:
     length = rng.randint(1, 40)
     tokens = [rng.randrange(VOCAB) for _ in range(length)]
     chunks = []
@@ -67,7 +93,7 @@ def new_job(rng: random.Random, n: int) -> Job:
         chunks.append(size)
         left -= size
     tag = f"req-{n}" if rng.random() < 0.75 else None
-    return Job(f"r{n}", tokens, tag, chunks, wrong_context=tag is not None and rng.random() < 0.1)
+    return Job(f"r{n}", tokens, tag, chunks, wrong_context=tag is not None and rng.random() < 0.1, normalise=normalise)
 
 
 def taken_rows() -> dict[str, torch.Tensor]:
@@ -126,8 +152,8 @@ def test_vllm_loads_the_v2_capture_by_name_and_refuses_the_v1_one():
         _load_v2_logitsprocs_by_fqcns([PROCESSORS["v1"]])
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_v2_capture_gives_each_request_its_row_as_the_batch_changes(request_state, seed):
+@pytest.mark.parametrize(("seed", "normalise"), [(0, None), (1, None), (2, VOCAB - 7), (3, VOCAB)])
+def test_v2_capture_gives_each_request_its_row_as_the_batch_changes(request_state, seed, normalise):
     rng = random.Random(seed)
     (processor,) = build_custom_logits_processors(None, request_state, False, [PROCESSORS["v2"]])
     assert isinstance(processor, capture.CaptureLogitsV2)
@@ -149,7 +175,7 @@ def test_v2_capture_gives_each_request_its_row_as_the_batch_changes(request_stat
             else:
                 request_state.remove_request(job.rid)
         while len(running) < 6 and rng.random() < 0.7:
-            job = new_job(rng, made)
+            job = new_job(rng, made, normalise)
             made += 1
             add_v2(request_state, [processor], job)
             running.append(job)
@@ -165,7 +191,7 @@ def test_v2_capture_gives_each_request_its_row_as_the_batch_changes(request_stat
         logits = torch.randn(len(scheduled), VOCAB)
         for row, job in enumerate(scheduled):
             if not job.chunks and job.tag is not None and not job.wrong_context:
-                expected[job.tag] = logits[row].clone()
+                expected[job.tag] = expected_row(logits[row], normalise)
         mapping = torch.tensor(slots, dtype=torch.int32)
         ctx = LogitsContext(
             expanded_idx_mapping=mapping,
@@ -181,7 +207,7 @@ def test_v2_capture_gives_each_request_its_row_as_the_batch_changes(request_stat
     assert sessions > 0 and len(expected) > 50
     assert set(got) == set(expected)
     for tag, row in expected.items():
-        assert got[tag].equal(row), tag
+        assert same_row(got[tag], row), tag
 
 
 def test_v2_capture_checks_the_context_on_the_device(request_state):
@@ -204,7 +230,8 @@ def test_v2_capture_checks_the_context_on_the_device(request_state):
 # ---- V1 ----------------------------------------------------------------------------------------
 
 
-def test_v1_capture_gives_each_request_its_row_as_the_batch_changes():
+@pytest.mark.parametrize("normalise", [None, VOCAB - 3])
+def test_v1_capture_gives_each_request_its_row_as_the_batch_changes(normalise):
     """The persistent batch of the V1 runner: requests are added into free indices, removed, moved
     into holes and swapped (``BatchUpdate``); a request's output list grows once its token is out."""
     rng = random.Random(7)
@@ -220,7 +247,7 @@ def test_v1_capture_gives_each_request_its_row_as_the_batch_changes():
                 removed.append(i)
         for i in range(len(batch)):
             if batch[i] is None and step < 200 and rng.random() < 0.6:  # then the last ones finish
-                job = batch[i] = new_job(rng, made)
+                job = batch[i] = new_job(rng, made, normalise)
                 made += 1
                 added.append((i, job.params(), list(job.tokens), job.output))
         if rng.random() < 0.5:  # condense or reorder: one-way moves into holes, and swaps
@@ -237,7 +264,7 @@ def test_v1_capture_gives_each_request_its_row_as_the_batch_changes():
             if job is not None and job.chunks:
                 job.chunks.pop(0)
                 if not job.chunks and job.tag is not None and not job.wrong_context:
-                    expected[job.tag] = logits[i].clone()
+                    expected[job.tag] = expected_row(logits[i], normalise)
         assert processor.apply(logits.clone()).equal(logits)
         for job in batch:
             if job is not None and not job.chunks:
@@ -246,4 +273,27 @@ def test_v1_capture_gives_each_request_its_row_as_the_batch_changes():
     assert len(expected) > 50
     assert set(got) == set(expected)
     for tag, row in expected.items():
-        assert got[tag].equal(row), tag
+        assert same_row(got[tag], row), tag
+
+
+def test_a_steps_rows_leave_the_device_in_one_copy(monkeypatch):
+    """Rows are gathered and normalised together, then moved to the host once per step (per width),
+    never row by row; each row is the float64 log-softmax of its own logits."""
+    copies = []
+    original = torch.Tensor.to
+
+    def counting(self, *args, **kwargs):
+        if args and args[0] == "cpu":
+            copies.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counting)
+    logits = torch.randn(9, VOCAB)
+    wanted = [({TAG: f"t{i}", NORMALISE: VOCAB - 2}, i) for i in (7, 1, 4, 0, 8)]
+    wanted += [({TAG: "raw"}, 3)]
+    write_rows(wanted, logits)
+    assert sorted(copies) == [(1, VOCAB), (5, VOCAB - 2)]
+    got = taken_rows()
+    for args, i in wanted:
+        assert same_row(got[args[TAG]], expected_row(logits[i], args.get(NORMALISE))), args[TAG]
+    assert got["t7"].untyped_storage().data_ptr() == got["t0"].untyped_storage().data_ptr()  # one block

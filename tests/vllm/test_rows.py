@@ -17,6 +17,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core.errors import OptionsError
+from genlm_core.request import Request
 from genlm_vllm import VLLMOptions
 from genlm_vllm.capture import ROWS, SLOT, TAG, WRITING, RowsExtension, Segment
 from genlm_vllm.environment import engine_env, threads_bind
@@ -290,7 +291,8 @@ def test_the_replica_router_keeps_lineages_together_and_balances_new_contexts():
         router.assign([[1]])
     small = PrefixRouter(2, memory=2)
     small.assign([[1], [2], [3]])
-    assert small._known((1,)) is None and small._known((3,)) is not None  # bounded memory forgets the oldest
+    assert small._known(Request((1,))) is None  # bounded memory forgets the oldest
+    assert small._known(Request((3,))) is not None
 
 
 SCRIPT = """
@@ -375,3 +377,20 @@ def test_cpu_lora_kernel_gives_no_adapter_tokens_no_delta():
     punica_cpu.bgmv_shrink(x, weights, out, torch.tensor([-1, 0, -1]), 0.5)
     assert torch.equal(out[0], torch.zeros(4)) and torch.equal(out[2], torch.zeros(4))
     assert torch.allclose(out[1], 0.5 * weights[0, 0] @ x[1])
+
+
+def test_rows_that_are_consecutive_rows_of_one_block_are_stacked_without_a_copy():
+    from genlm_vllm.driver import as_block
+
+    block = torch.randn(6, 10)
+    whole = as_block(list(block))
+    assert whole.data_ptr() == block.data_ptr() and torch.equal(whole, block)
+    part = as_block([block[2], block[3], block[4]])
+    assert part.data_ptr() == block[2].data_ptr() and torch.equal(part, block[2:5])
+    wide = torch.randn(4, 12)[:, :10]  # rows of a wider block: strided, still no copy
+    assert torch.equal(as_block(list(wide)), wide) and as_block(list(wide)).data_ptr() == wide.data_ptr()
+    for rows in ([block[0], block[2]], [block[3], block[2]], [block[0], torch.randn(10)], [block[1, :5], block[2, :5]]):
+        out = as_block(rows)
+        assert torch.equal(out, torch.stack(rows))
+    shuffled = [block[i] for i in (0, 1, 3)]
+    assert as_block(shuffled).data_ptr() != block.data_ptr()  # not consecutive: copied

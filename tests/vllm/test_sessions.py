@@ -112,7 +112,7 @@ async def test_a_fork_naming_the_wrong_parent_recomputes(engine, monkeypatch):
     engine.clear_cache()
     a, b = tuple(range(700, 740)), tuple(range(800, 840))
     await asyncio.gather(engine.next_token_logprobs(list(a)), engine.next_token_logprobs(list(b)))
-    handles = {ctx: h for (_, ctx), h in engine.driver.sessions.live._live.items()}
+    handles = {key.token_ids: h for key, h in engine.driver.sessions.live._live.items()}
     plan = engine.driver.sessions.live.plan
 
     def crossed(requests):

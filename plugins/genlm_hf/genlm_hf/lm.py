@@ -210,6 +210,8 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             for adapter, rows in by_adapter.items():
                 with self._adapter_active(adapter):
                     results.append((rows, self.kv_logits([requests[i].token_ids for i in rows], adapter)))
+        if len(results) == 1:  # one adapter: the logits as the model computed them, normalised by core in one pass
+            return results[0][1]
         width, device = results[0][1].shape[-1], results[0][1].device
         out = torch.empty(len(requests), width, dtype=torch.float32, device=device)
         for rows, logits in results:

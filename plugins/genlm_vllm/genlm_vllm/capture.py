@@ -11,6 +11,10 @@ tag in ``SamplingParams.extra_args`` (never by row order), so it does not matter
 splits, orders or chunks them. With chunked prefill every chunk produces a row; the one kept is at
 the context's last position.
 
+Each step's tagged rows are gathered in one operation, normalised there (a float32 log-softmax
+over the first ``NORMALISE`` columns: the caller's vocabulary), and leave the device in one copy per
+step; with ``ON_DEVICE`` (an in-process engine) they stay on the model's device.
+
 Exactly one process writes each row: tensor-parallel rank 0 of the last pipeline stage (with TP
 every rank sees the same all-gathered logits; with PP only the last stage has any). Where the row
 goes depends on the request's extra arguments:
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +54,8 @@ apply_cpu_fixes()  # this module is imported wherever the model runs
 TAG = "genlm_capture"  #: extra_args key: the request's tag (a string)
 SLOT = "genlm_slot"  #: extra_args key: [segment path, slots in segment, width, slot index, sequence number]
 CONTEXT = "genlm_context"  #: extra_args key (optional): the :func:`context_fingerprint` the row must be for
+NORMALISE = "genlm_normalise"  #: extra_args key (optional): normalise the row over this many first columns
+ON_DEVICE = "genlm_on_device"  #: extra_args key (optional, in-process engines): keep the row on the model's device
 
 #: Rows captured in this process and not yet taken, by tag; bounded by :data:`MAX_KEPT_ROWS`.
 ROWS: dict[str, torch.Tensor] = {}
@@ -60,9 +67,20 @@ MAX_KEPT_ROWS = 8192
 WRITING = -1  #: flag value while a slot is being written
 
 
-def context_fingerprint(token_ids: tuple[int, ...]) -> list[int]:
-    """``[length, hash]`` of a context (a tuple of ints hashes alike in every process)."""
-    return [len(token_ids), hash(token_ids)]
+#: Ids a fingerprint reads: the last ones and as many spread over the context.
+FINGERPRINT_SAMPLE = 32
+
+
+def fingerprint_positions(length: int) -> list[int]:
+    """The positions of a context of ``length`` tokens that :func:`context_fingerprint` reads."""
+    return [*range(0, length, length // FINGERPRINT_SAMPLE + 1), *range(max(0, length - FINGERPRINT_SAMPLE), length)]
+
+
+def context_fingerprint(token_ids: Sequence[int]) -> list[int]:
+    """``[length, hash]`` of a context, the hash of the ids at :func:`fingerprint_positions` (ints
+    hash alike in every process): what the engine checks a request runs on, in time independent of
+    the context's length. Rows are matched by tag; this catches a request run on another context."""
+    return [len(token_ids), hash(tuple(token_ids[i] for i in fingerprint_positions(len(token_ids))))]
 
 
 def is_row_writer() -> bool:
@@ -88,9 +106,11 @@ class Segment:
         self.data = raw[n * 8 :].view(torch.float32).view(n, width)
 
     def write(self, index: int, seq: int, row: torch.Tensor) -> None:
-        """Seqlock write: mark the slot busy, copy the row, then publish the request's number."""
+        """Seqlock write: mark the slot busy, copy the row (at most ``width`` entries), then publish
+        the request's number."""
         self.flags[index] = WRITING
-        self.data[index].copy_(row[: self.width])
+        row = row[: self.width]
+        self.data[index, : row.shape[0]].copy_(row)
         self.flags[index] = seq
 
 
@@ -114,16 +134,31 @@ def _keep(tag: str, row: torch.Tensor) -> None:
             log.warning("genlm-vllm: dropped the uncollected row of request %s", dropped)
 
 
-def write_row(args: dict[str, Any], row: torch.Tensor) -> None:
-    """Hand one request's logits row to the caller, where its ``extra_args`` say (slot or tag)."""
+def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -> None:
+    """Hand the rows ``logits[index]`` of ``(extra args, index)`` pairs to their callers, where each
+    request's ``extra_args`` say (slot or tag): gathered in one operation, normalised on the model's
+    device over the ``NORMALISE`` first columns where a request asks, and copied to the host once."""
     global ROWS_WRITTEN
-    ROWS_WRITTEN += 1
-    slot = args.get(SLOT)
-    if slot is None:
-        _keep(args[TAG], row.detach().to("cpu", torch.float32, copy=True))
-    else:
-        path, n, width, slot_index, seq = slot
-        _segment(path, n, width).write(slot_index, seq, row.detach())
+    if not wanted:
+        return
+    ROWS_WRITTEN += len(wanted)
+    by_width: dict[tuple[int | None, bool], list[tuple[dict[str, Any], int]]] = {}
+    for args, index in wanted:
+        by_width.setdefault((args.get(NORMALISE), bool(args.get(ON_DEVICE))), []).append((args, index))
+    for (width, on_device), group in by_width.items():
+        picked = logits[torch.tensor([index for _, index in group], device=logits.device)]
+        if width is not None:
+            picked = torch.log_softmax(picked[:, :width], dim=-1, dtype=torch.float32)
+        rows = picked.detach().to(torch.float32)
+        if not on_device:
+            rows = rows.to("cpu")
+        for (args, _), row in zip(group, rows, strict=True):
+            slot = args.get(SLOT)
+            if slot is None:
+                _keep(args[TAG], row)
+            else:
+                path, n, slot_width, slot_index, seq = slot
+                _segment(path, n, slot_width).write(slot_index, seq, row)
 
 
 class CaptureLogits(V1LogitsProcessor):
@@ -165,10 +200,12 @@ class CaptureLogits(V1LogitsProcessor):
             self.writer = is_row_writer()
         if not self.writer:
             return logits
-        for index, (args, output_ids) in self.slots.items():
-            if output_ids or index >= logits.shape[0]:
-                continue
-            write_row(args, logits[index])
+        wanted = [
+            (args, index)
+            for index, (args, output_ids) in self.slots.items()
+            if not output_ids and index < logits.shape[0]
+        ]
+        write_rows(wanted, logits)
         return logits
 
 
@@ -211,21 +248,25 @@ class CaptureLogitsV2(V2LogitsProcessor):
         if self.writer is None:
             self.writer = is_row_writer()
         slots, positions = ctx.expanded_idx_mapping.tolist(), ctx.pos.tolist()
+        rows = []
         for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
             want = self.wanted.get(slot)
             if want is None or position != want.position:
                 continue
             del self.wanted[slot]  # one row per request
             if self.writer and self._context_matches(want, slot):
-                write_row(want.args, logits[row])
+                rows.append((want.args, row))
+        write_rows(rows, logits)
         return logits
 
     def _context_matches(self, want: _Wanted, slot: int) -> bool:
         expected = want.args.get(CONTEXT)
         if expected is None:
             return True
-        tokens = tuple(self.req_states.all_token_ids.gpu[slot, : want.position + 1].tolist())
-        if context_fingerprint(tokens) == list(expected):
+        length = want.position + 1
+        at = torch.tensor(fingerprint_positions(length), device=self.req_states.all_token_ids.gpu.device)
+        sampled = self.req_states.all_token_ids.gpu[slot, at].tolist()  # only the ids the fingerprint reads
+        if [length, hash(tuple(sampled))] == list(expected):
             return True
         log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", want.args[TAG])
         return False
@@ -240,7 +281,7 @@ def _context_matches(args: dict[str, Any], prompt: list[int] | None) -> bool:
     expected = args.get(CONTEXT)
     if expected is None or prompt is None:
         return True
-    if context_fingerprint(tuple(prompt)) == list(expected):
+    if context_fingerprint(prompt) == list(expected):
         return True
     log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])
     return False

@@ -60,6 +60,18 @@ class EngineDriver(abc.ABC):
         self.runner: str | None = None  #: "v1" or "v2": the model runner the engine uses
         self._closed = False
 
+    def normalise_rows(self, vocab_size: int, on_device: bool = False) -> None:
+        """Have the engine normalise each row over the first ``vocab_size`` columns where it computes
+        it (and, ``on_device``, keep it on the model's device: an in-process engine only)."""
+        if self.rows is not None:
+            self.rows.vocab_size = vocab_size
+            self.rows.on_device = on_device and self.layout.capture == "local"
+
+    @property
+    def rows_normalised(self) -> bool:
+        """Whether :meth:`logits` and :meth:`stream_logits` return rows normalised in the engine."""
+        return self.rows is not None and self.rows.vocab_size is not None
+
     @property
     def engine_count(self) -> int:
         """Engines behind this driver (vLLM's data-parallel engines, or replicas)."""
@@ -69,8 +81,8 @@ class EngineDriver(abc.ABC):
 
     @abc.abstractmethod
     def logits(self, requests: Sequence[Request]) -> torch.Tensor | list[torch.Tensor | Failed]:
-        """Raw logits, one row per request: a tensor, or a list with a :class:`Failed` for each request
-        that failed alone; raises if the whole batch failed."""
+        """Logits (logprobs where :attr:`rows_normalised`), one row per request: a tensor, or a
+        list with a :class:`Failed` for each request that failed alone; raises if the whole batch failed."""
 
     @abc.abstractmethod
     def uncached_logits(self, request: Request) -> torch.Tensor:
@@ -257,7 +269,31 @@ def stack(rows: Sequence[torch.Tensor | None], requests: Sequence[Request]) -> t
             f"vLLM returned no logits for {len(missing)} of {len(rows)} requests (the first: a context of "
             f"{len(first)} tokens ending {list(first[-5:])})"
         )
-    return torch.stack(rows)  # type: ignore[arg-type]
+    return as_block(rows)  # type: ignore[arg-type]
+
+
+def as_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(rows)``, without a copy where the rows already are consecutive rows of one block
+    (as :meth:`~genlm_vllm.rows.SharedMemoryRows.collect` returns them)."""
+    first = rows[0]
+    if first.dim() == 1 and first.stride(0) == 1:
+        step = first.shape[0] if len(rows) == 1 else rows[1].data_ptr() - first.data_ptr()
+        size = first.element_size()
+        if step % size == 0 and step // size >= first.shape[0]:
+            stride = step // size
+            ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+            if all(
+                r.dim() == 1
+                and r.shape == first.shape
+                and r.stride(0) == 1
+                and r.dtype == first.dtype
+                and r.device == first.device
+                and r.data_ptr() == ptr + i * step
+                and r.untyped_storage().data_ptr() == storage
+                for i, r in enumerate(rows)
+            ):
+                return first.as_strided((len(rows), first.shape[0]), (stride, 1))
+    return torch.stack(list(rows))
 
 
 def without_stop(token_ids: Sequence[int], eos: Sequence[int]) -> list[int]:

@@ -5,7 +5,7 @@ Where a request goes::
     lm.next_token_logprobs(ids)          # core: validate, output cache
       ├─ batching driver: AutoBatcher -> compute_rows -> driver.logits(batch)
       └─ streaming driver (AsyncLLM):  driver.stream_logits(request), no batch barrier
-           -> raw logits rows -> finish_rows (normalise, check, cache)
+           -> rows normalised in the engine -> finish_rows (check, cache)
 
 The driver (:mod:`genlm_vllm.driver`) is chosen once, from the options, by
 :func:`~genlm_vllm.driver.start_driver`:
@@ -49,6 +49,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.driver = driver
         self.model_lock = driver.lock  # the engine is not thread-safe: one lock for every use of it
         self.context_limit = driver.context_limit
+        driver.normalise_rows(self.vocab_size, self.options.rows_on_device)
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         atexit.register(_cleanup_if_alive, weakref.ref(self))  # engine processes, Ray actors, files
 
@@ -82,7 +83,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
             return cached
         self.ensure_open()
         logits = await self.driver.stream_logits(request)
-        row = self.finish_rows([request], logits[None])[0]
+        row = self.finish_rows([request], logits[None], self.driver.rows_normalised)[0]
         if isinstance(row, Failed):
             raise row.error
         return row
@@ -90,12 +91,17 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
     def compute_rows(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
         with self.model_lock:
             out = self.driver.logits(requests)
+        normalised = self.driver.rows_normalised
         if isinstance(out, torch.Tensor):
-            return self.finish_rows(requests, out)
+            return self.finish_rows(requests, out, normalised)
         done = [i for i, row in enumerate(out) if not isinstance(row, Failed)]
         rows: list[torch.Tensor | Failed] = list(out)
         if done:
-            finished = self.finish_rows([requests[i] for i in done], torch.stack([out[i] for i in done]))  # type: ignore[misc]
+            finished = self.finish_rows(
+                [requests[i] for i in done],
+                torch.stack([out[i] for i in done]),  # type: ignore[misc]
+                normalised,
+            )
             for i, row in zip(done, finished, strict=True):
                 rows[i] = row
         return rows

@@ -36,6 +36,11 @@ class VLLMOptions(BackendOptions):
         "after resampling copy its unfinished KV block (genlm_vllm.forks). Only for engine='llm'; False: every "
         "batch is a plain generate, with prefix caching only.",
     )
+    rows_on_device: bool = Field(
+        False,
+        description="In-process engine on an accelerator: rows stay on the model's device, where the program's "
+        "tries and proposals can read them (else each step's rows come to the host in one copy).",
+    )
     enable_lora: bool = Field(False, description="Allow LoRA adapters (load_lora / set_lora).")
     max_lora_rank: PositiveInt = Field(16, description="Largest LoRA rank the engine reserves room for.")
     engine: Literal["llm", "async"] = Field(

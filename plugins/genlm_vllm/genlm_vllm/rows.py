@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from genlm_vllm.capture import ROWS, ROWS_LOCK, SLOT, TAG, Segment
+from genlm_vllm.capture import NORMALISE, ON_DEVICE, ROWS, ROWS_LOCK, SLOT, TAG, Segment
 from genlm_vllm.layout import Layout
 from genlm_vllm.shm_files import FILE_PREFIX, SHM_DIR, remove_files, remove_files_of_dead_processes
 
@@ -53,6 +53,11 @@ class RowChannel(abc.ABC):
     def __init__(self) -> None:
         self._prefix = uuid.uuid4().hex[:12]
         self._count = itertools.count()
+        #: The caller's vocabulary size: rows are normalised over that many first columns inside the
+        #: engine (None: rows come back as raw logits).
+        self.vocab_size: int | None = None
+        #: Rows stay on the model's device (an in-process engine on an accelerator).
+        self.on_device = False
 
     def new_tags(self, n: int) -> list[str]:
         """``n`` tags never handed out before (also usable as vLLM request ids)."""
@@ -61,7 +66,12 @@ class RowChannel(abc.ABC):
     def prepare(self, n: int) -> Ticket:
         """Tags (and slots) for ``n`` requests about to be submitted."""
         tags = self.new_tags(n)
-        return Ticket(tags, [{TAG: tag} for tag in tags])
+        extra: dict[str, Any] = {}
+        if self.vocab_size is not None:
+            extra[NORMALISE] = self.vocab_size
+        if self.on_device:
+            extra[ON_DEVICE] = True
+        return Ticket(tags, [{TAG: tag, **extra} for tag in tags])
 
     @abc.abstractmethod
     def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
@@ -140,12 +150,15 @@ class SharedMemoryRows(RowChannel):
         return ticket
 
     def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
+        """The slots' rows, copied once into one block (views of it); a slot whose flag is not the
+        request's number both before and after the copy gives None."""
+        before = [int(segment.flags[index]) for segment, index, _ in ticket.slots]
+        block = torch.stack([segment.data[index] for segment, index, _ in ticket.slots]) if ticket.slots else None
         rows: list[torch.Tensor | None] = []
-        for segment, index, seq in ticket.slots:
-            before = int(segment.flags[index])
-            row = segment.data[index].clone()
-            after = int(segment.flags[index])
-            rows.append(row if before == seq and after == seq else None)
+        for i, ((segment, index, seq), flag) in enumerate(zip(ticket.slots, before, strict=True)):
+            assert block is not None
+            ok = flag == seq and int(segment.flags[index]) == seq
+            rows.append(block[i] if ok else None)
         return rows
 
     def release(self, ticket: Ticket, finished: bool = True) -> None:
@@ -234,7 +247,7 @@ def open_channel(
     channel is chosen). ``width``: the logits row's length; ``pop``/``pop_async``: the engine's
     ``collective_rpc("genlm_pop_rows", ...)``, for rows on other hosts."""
     if lay.capture == "local":
-        return LocalRows()
+        return LocalRows()  # (on_device is set by the driver where options ask)
     if lay.capture == "shm":
         return SharedMemoryRows(width)
     return RpcRows(pop, pop_async)
