@@ -105,7 +105,7 @@ class Engine:
 
             plain_decode(self.lm.model, prompt, n, steps)
         else:
-            ids = torch.tensor([prompt] * n)
+            ids = torch.tensor([prompt] * n, device=self.lm.device)  # on the model's device (CUDA too)
             with torch.inference_mode():
                 self.lm.model.generate(
                     input_ids=ids,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -73,15 +73,39 @@ class OutputCache:
                 self._release(old)
             self._data[key] = value
             self._hold(value)
-            while len(self._data) > 1 and (
-                len(self._data) > self.maxsize or (self.max_bytes is not None and self.nbytes > self.max_bytes)
-            ):
-                _, evicted = self._data.popitem(last=False)
-                self._release(evicted)
+            self._evict()
         return value
 
-    def _hold(self, value: Any) -> None:
-        where, size = _memory(value)
+    def put_many(self, keys: Sequence[Hashable], values: Sequence[Any]) -> list[Any]:
+        """:meth:`put` of each ``(key, value)`` pair in turn, under one lock (a batch's rows)."""
+        if self.maxsize == 0:
+            return list(values)
+        if self.move_to_cpu:
+            values = [v.cpu() if hasattr(v, "cpu") else v for v in values]
+        with self._lock:
+            base: Any = None
+            memory: tuple[tuple[torch.device, int] | None, int] = (None, 0)
+            for key, value in zip(keys, values, strict=True):
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self._release(old)
+                self._data[key] = value
+                view_of = getattr(value, "_base", None)  # rows of one block: its memory found once
+                if view_of is None or view_of is not base:
+                    base, memory = view_of, _memory(value)
+                self._hold(value, memory)
+            self._evict()
+        return list(values)
+
+    def _evict(self) -> None:
+        while len(self._data) > 1 and (
+            len(self._data) > self.maxsize or (self.max_bytes is not None and self.nbytes > self.max_bytes)
+        ):
+            _, evicted = self._data.popitem(last=False)
+            self._release(evicted)
+
+    def _hold(self, value: Any, memory: tuple[tuple[torch.device, int] | None, int] | None = None) -> None:
+        where, size = memory or _memory(value)
         if where is None:
             self.nbytes += size
             return

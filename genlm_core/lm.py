@@ -302,19 +302,20 @@ class AsyncLM(abc.ABC):
             memory = self.row_memory.take(len(requests), self.vocab_size, logits.device)
             logprobs = normalise(logits, self.vocab_size, self._missing_ids, out=memory)
         bad = nan_rows(logprobs)
-        rows: list[torch.Tensor | Failed] = []
-        for r, row, is_bad in zip(requests, logprobs, bad):
-            if is_bad:
-                rows.append(
-                    Failed(
+        rows: list[torch.Tensor | Failed] = list(logprobs)
+        if any(bad):
+            for i, r in enumerate(requests):
+                if bad[i]:
+                    rows[i] = Failed(
                         FloatingPointError(
                             f"{type(self).__name__} produced NaN logits for context of {len(r.token_ids)} tokens"
                         )
                     )
-                )
-            else:
-                rows.append(self.cache.put(r, row))
-        return rows
+            good = [i for i in range(len(requests)) if not bad[i]]
+            for i, row in zip(good, self.cache.put_many([requests[i] for i in good], [rows[i] for i in good])):
+                rows[i] = row
+            return rows
+        return self.cache.put_many(requests, rows)
 
     # ---- sampling ------------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ class Request:
 
     token_ids: tuple[int, ...]
     adapter: str | None
+    _hash: int
 
     def __init__(self, token_ids: tuple[int, ...], adapter: str | None = None):
         object.__setattr__(self, "token_ids", token_ids)
@@ -67,11 +68,12 @@ class Request:
         return Request(self.token_ids[:length], self.adapter)
 
 
-def context_hash(token_ids: tuple[int, ...], adapter: str | None = None) -> int:
+def context_hash(token_ids: tuple[int, ...], adapter: str | None = None, length: int | None = None) -> int:
     """A hash of a context that reads at most ``2 * HASH_SAMPLE`` of its ids (see :class:`Request`):
-    equal contexts hash alike; different ones usually differ in length or in their last ids."""
-    n = len(token_ids)
-    return hash((n, adapter, token_ids[-HASH_SAMPLE:], token_ids[:: n // HASH_SAMPLE + 1]))
+    equal contexts hash alike; different ones usually differ in length or in their last ids. With
+    ``length``: the hash of ``token_ids[:length]``, without making that slice."""
+    n = len(token_ids) if length is None else length
+    return hash((n, adapter, token_ids[max(0, n - HASH_SAMPLE) : n], token_ids[0 : n : n // HASH_SAMPLE + 1]))
 
 
 def _untracker() -> Any:
@@ -111,12 +113,15 @@ class ContextChecker:
     for the usual step of a program (a context one token longer than one checked recently).
 
     A context that is not such an extension is checked whole by
-    :func:`~genlm_core.validation.check_token_ids`. An extension is found by its prefix (every id
-    but the last), compared by value with the contexts checked before (never by identity): then
-    only the new id is checked, and the request is built from the checked prefix, so an engine
-    always sees the exact ids that were checked. (A position already checked is read by value:
-    ``3.0`` where ``3`` was checked reads as ``3``.) Remembers the most recent contexts, up to
-    :data:`CHECKED_TOKENS` tokens in all. Thread-safe enough: a race only costs a full check.
+    :func:`~genlm_core.validation.check_token_ids`. For an extension, the context checked before is
+    found by the hash of the prefix (every id but the last: :func:`context_hash` reads a fixed
+    number of ids), the request is built from that checked prefix and the new id, and it is compared
+    whole, by value, with the caller's context: only an equal one is taken (so a hash is never trusted
+    alone, and an engine always sees the exact ids that were checked; a position already checked is
+    read by value: ``3.0`` where ``3`` was checked reads as ``3``). Then only the new id is checked.
+    The cost: one copy of the caller's context, one of the checked prefix, one comparison, all at C
+    speed. Remembers the most recent contexts, up to :data:`CHECKED_TOKENS` tokens in all.
+    Thread-safe; a race costs a full check at most.
     """
 
     def __init__(self, vocab_size: int, max_tokens: int = CHECKED_TOKENS):
@@ -125,7 +130,7 @@ class ContextChecker:
         self.tokens = 0
         self.extended = 0  #: requests checked in their new token only
         self.checked = 0  #: requests checked whole
-        self._known: dict[Request, Request] = {}
+        self._known: dict[int, Request] = {}  # by the request's hash; a candidate, compared whole before use
         self._lock = threading.Lock()
 
     def request(self, token_ids: Any, adapter: str | None) -> Request:
@@ -135,28 +140,28 @@ class ContextChecker:
             if n >= 2:
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
-                    ids = tuple(token_ids)
-                    parent = self._known.get(Request(ids[:-1], adapter))
-                    if parent is not None:
-                        self.extended += 1
-                        return self._remember(Request(untrack_ids(parent.token_ids + (last,)), adapter))
+                    snapshot = tuple(token_ids)
+                    parent = self._known.get(context_hash(snapshot, adapter, n - 1))
+                    if parent is not None and parent.adapter == adapter and len(parent.token_ids) == n - 1:
+                        ids = parent.token_ids + (last,)
+                        if ids == snapshot:
+                            self.extended += 1
+                            return self._remember(Request(untrack_ids(ids), adapter))
         self.checked += 1
         return self._remember(Request(untrack_ids(check_token_ids(token_ids, self.vocab_size)), adapter))
 
     def _remember(self, request: Request) -> Request:
         with self._lock:
-            self._add(request)
-        return request
-
-    def _add(self, request: Request) -> None:
-        known = self._known
-        if request not in known:
-            known[request] = request
+            known = self._known
+            old = known.pop(request._hash, None)  # the same context again, or another of the same hash
+            if old is not None:
+                self.tokens -= len(old.token_ids)
+            known[request._hash] = request
             self.tokens += len(request.token_ids)
             while self.tokens > self.max_tokens and len(known) > 1:
-                oldest = next(iter(known))
-                del known[oldest]
+                oldest = known.pop(next(iter(known)))
                 self.tokens -= len(oldest.token_ids)
+        return request
 
     def clear(self) -> None:
         """Forget every context checked (they are checked whole next time)."""

@@ -1,0 +1,70 @@
+"""The GPU check (``scripts/gpu_check.sh``, ``benchmarks/gpu_check.py``): its dry run passes on the CPU with
+every part and section, through the same script, driver and part processes as on the GPU machine; a broken
+tolerance fails it; and its model shapes are the real models'."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("genlm_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+assert spec is not None and spec.loader is not None
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+
+def dry_run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": sys.executable}
+    env.pop("OUT", None)
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--out", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_the_dry_run_passes_with_every_part_and_section(tmp_path):
+    done = dry_run(tmp_path)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    parts = {p["part"]: p for p in summary["parts"]}
+    assert list(parts) == list(gpu_check.DRY_PARTS)
+    assert all(p["ok"] and not p["failures"] for p in parts.values())
+    assert {t["section"] for p in parts.values() for t in p.get("tables", [])} == {"rows", "trie", "smc", "flush"}
+    rows = parts["rows"]["numbers"]
+    assert rows["float32"]["max_abs_diff"] <= 1e-3 and rows["float32"]["row_devices"] == ["cpu"]
+    assert rows["bfloat16"]["max_abs_diff"] <= rows["bfloat16"]["tolerance"]
+    assert all(v["max_abs_diff"] <= 1e-12 for v in parts["trie"]["numbers"].values())
+    assert {"flush idle", "flush eager"} <= set(parts["smc:tiny"]["numbers"])
+    assert parts["overhead"]["json"]["cells"]  # bench_overhead.py ran and wrote its --json
+    for section in gpu_check.SECTIONS.values():
+        assert f"== {section}" in done.stdout or section.startswith("3.")
+        assert f"## {section}" in (tmp_path / "gpu_check.md").read_text()
+    assert "all parts passed" in done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_a_broken_tolerance_fails_the_check(tmp_path):
+    done = dry_run(tmp_path, "--only", "rows", "--rows-tol", "1e-12")
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert "FAIL [rows] float32 rows on cpu differ from the CPU float64 reference" in done.stdout
+    parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert [(p["part"], p["ok"]) for p in parts] == [("rows", False)]
+    assert "FAILED: rows" in done.stdout
+
+
+@pytest.mark.parametrize(("shape", "params"), [("135m", 134.5e6), ("1b", 1.236e9), ("8b", 8.030e9)])
+def test_the_shapes_are_the_real_models(shape, params):
+    import torch
+
+    from genlm_core.testing.tokenizers import toy_tokenizer
+
+    model = gpu_check.build_llama(shape, toy_tokenizer(), "meta", torch.bfloat16)  # no memory, no weights
+    assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 0.002
