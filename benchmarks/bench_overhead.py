@@ -21,7 +21,8 @@ The floor: ``torch.log_softmax(block[:N], dim=-1)`` into fresh memory (allocated
 the timing), on the same device, on the thread where genlm normalises rows (the LM's batcher thread): the
 least any exact implementation does to turn a step's logits into normalised rows. (The same on the event
 loop's thread is printed beside it: on the host, fresh memory there often comes back without page faults,
-since glibc gives each thread its own arena; the batcher thread's faults its pages afresh.) Steps and floors are timed interleaved (step, floor, step, floor,
+since glibc gives each thread its own arena; the batcher thread's faults its pages afresh.)
+Steps and floors are timed interleaved (step, floor, step, floor,
 ...); the tables give medians, the p25-p75 spread, the median of the per-pair ratios and of the
 per-pair differences, and ``gc``: the median time the cyclic garbage collector ran during a step (part of
 the step; measured through ``gc.callbacks``). On CUDA both are timed between ``torch.cuda.synchronize()``
