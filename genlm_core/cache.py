@@ -11,8 +11,11 @@ import torch
 
 from genlm_core.validation import check_int
 
+#: The memory a cached value keeps alive: (its storage's device and address, or None; bytes).
+Memory = tuple[tuple[torch.device, int] | None, int]
 
-def _memory(value: Any) -> tuple[tuple[torch.device, int] | None, int]:
+
+def _memory(value: Any) -> Memory:
     """The memory ``value`` keeps alive: ``(key, bytes)``. A tensor keeps its whole storage (a row that
     is a view of a batch's block keeps the block), counted once however many rows share it (key: the
     storage's address, alive while a cached value holds it); other values count their own bytes."""
@@ -44,7 +47,7 @@ class OutputCache:
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
-        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._data: OrderedDict[Hashable, tuple[Any, Memory]] = OrderedDict()  # key -> (value, its memory)
         #: storage (device, address) -> [cached values in it, its bytes]
         self._storages: dict[tuple[torch.device, int], list[int]] = {}
         self._lock = threading.Lock()
@@ -53,28 +56,17 @@ class OutputCache:
         """The value for ``key`` (now most recently used), or ``default``."""
         with self._lock:
             try:
-                value = self._data[key]
+                entry = self._data[key]
             except KeyError:
                 self.misses += 1
                 return default
             self._data.move_to_end(key)
             self.hits += 1
-            return value
+            return entry[0]
 
     def put(self, key: Hashable, value: Any) -> Any:
         """Store ``value`` (moved to CPU if asked) and evict the least recently used beyond bounds."""
-        if self.maxsize == 0:
-            return value
-        if self.move_to_cpu and hasattr(value, "cpu"):
-            value = value.cpu()
-        with self._lock:
-            old = self._data.pop(key, None)
-            if old is not None:
-                self._release(old)
-            self._data[key] = value
-            self._hold(value)
-            self._evict()
-        return value
+        return self.put_many([key], [value])[0]
 
     def put_many(self, keys: Sequence[Hashable], values: Sequence[Any]) -> list[Any]:
         """:meth:`put` of each ``(key, value)`` pair in turn, under one lock (a batch's rows)."""
@@ -84,28 +76,25 @@ class OutputCache:
             values = [v.cpu() if hasattr(v, "cpu") else v for v in values]
         with self._lock:
             base: Any = None
-            memory: tuple[tuple[torch.device, int] | None, int] = (None, 0)
+            memory: Memory = (None, 0)
+            data = self._data
             for key, value in zip(keys, values, strict=True):
-                old = self._data.pop(key, None)
+                old = data.pop(key, None)
                 if old is not None:
-                    self._release(old)
-                self._data[key] = value
+                    self._release(old[1])
                 view_of = getattr(value, "_base", None)  # rows of one block: its memory found once
                 if view_of is None or view_of is not base:
                     base, memory = view_of, _memory(value)
-                self._hold(value, memory)
-            self._evict()
+                data[key] = (value, memory)
+                self._hold(memory)
+            while len(data) > 1 and (
+                len(data) > self.maxsize or (self.max_bytes is not None and self.nbytes > self.max_bytes)
+            ):
+                self._release(data.popitem(last=False)[1][1])
         return list(values)
 
-    def _evict(self) -> None:
-        while len(self._data) > 1 and (
-            len(self._data) > self.maxsize or (self.max_bytes is not None and self.nbytes > self.max_bytes)
-        ):
-            _, evicted = self._data.popitem(last=False)
-            self._release(evicted)
-
-    def _hold(self, value: Any, memory: tuple[tuple[torch.device, int] | None, int] | None = None) -> None:
-        where, size = memory or _memory(value)
+    def _hold(self, memory: Memory) -> None:
+        where, size = memory
         if where is None:
             self.nbytes += size
             return
@@ -116,8 +105,8 @@ class OutputCache:
         else:
             held[0] += 1
 
-    def _release(self, value: Any) -> None:
-        where, size = _memory(value)
+    def _release(self, memory: Memory) -> None:
+        where, size = memory
         if where is None:
             self.nbytes -= size
             return

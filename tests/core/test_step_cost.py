@@ -206,12 +206,10 @@ def test_the_byte_bound_holds_for_rows_that_share_blocks():
     for b, block in enumerate(blocks):
         for i in range(4):
             c.put((b, i), block[i])
-        held = {id(v.untyped_storage()) for v in c._data.values()}
+        cached = [value for value, _ in c._data.values()]
         assert c.nbytes <= c.max_bytes
-        assert c.nbytes == sum(
-            {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in c._data.values()}.values()
-        )
-        assert held
+        assert c.nbytes == sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in cached}.values())
+        assert cached
 
 
 def test_put_many_counts_and_evicts_as_put_does():
