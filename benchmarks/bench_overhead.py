@@ -445,6 +445,9 @@ def ints(text: str) -> list[int]:
 
 
 def commit() -> str:
+    if os.environ.get("GENLM_COMMIT"):  # the GPU check's record of the tree it carried (scripts/gpu_check.sh)
+        return os.environ["GENLM_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 

@@ -66,7 +66,7 @@ SHAPE_NAMES = {"tiny": "tiny Llama", "135m": "SmolLM2-135M", "1b": "Llama-3.2-1B
 PARTS: dict[str, tuple[float, float]] = {
     "rows": (90, 60),
     "trie": (60, 60),
-    "smc:135m": (75, 60),
+    "smc:135m": (120, 60),
     "smc:1b": (90, 60),
     "smc:8b": (150, 60),
     "overhead": (150, 90),
@@ -513,6 +513,9 @@ def machine() -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
     commit = ROOT / ".gpucheck" / "commit.txt"  # written by --prepare: the machine may have no .git
+    if os.environ.get("GENLM_COMMIT"):  # set by scripts/gpu_check.sh from --prepare's record
+        info["commit"] = os.environ["GENLM_COMMIT"] + " (from --prepare)"
+        return info
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10)
         info["commit"] = head.stdout.strip() if head.returncode == 0 else None

@@ -11,6 +11,7 @@ or an infinity anywhere in a row's logits makes every entry of its log-softmax N
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 
 import torch
@@ -64,7 +65,7 @@ class RowMemory:
     of two rows. A row handed out is never written again while anything holds it: that is what
     makes reuse safe. It looks at ``probe`` blocks per call, going round them (blocks come free in
     about the order they were filled, as the output cache evicts oldest first), and follows at most ``track``
-    blocks: one beyond that is forgotten, freed by torch when its last row goes. Memory on an
+    blocks: one beyond that is forgotten, freed by torch when its last row goes. Thread-safe. Memory on an
     accelerator is left to its framework's caching allocator (``take`` returns None there).
     """
 
@@ -73,11 +74,16 @@ class RowMemory:
         self.reused = 0  #: blocks handed out again
         self.allocated = 0  #: blocks made
         self._blocks: deque[torch.Tensor] = deque()
+        self._lock = threading.Lock()  # two threads must never be handed one free block
 
     def take(self, n: int, width: int, device: torch.device) -> torch.Tensor | None:
         """Float32 memory for ``n`` rows of ``width`` on ``device`` (None: allocate as usual)."""
         if device.type != "cpu" or _use_count is None or n == 0:
             return None
+        with self._lock:
+            return self._take(n, width)
+
+    def _take(self, n: int, width: int) -> torch.Tensor:
         capacity = 1 << (n - 1).bit_length()
         blocks = self._blocks
         for _ in range(min(self.probe, len(blocks))):

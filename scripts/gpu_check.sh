@@ -66,6 +66,9 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
+# The tree's commit as --prepare recorded it (a copied tree may carry another checkout's .git).
+if [[ "${1:-}" != "--dry-run" && -f .gpucheck/commit.txt ]]; then export GENLM_COMMIT="$(cat .gpucheck/commit.txt)"; fi
+
 imports="import torch, transformers, numba, numpy, pluggy, accelerate, pydantic, genlm_core, genlm_hf"
 if ! "$PY" -c "import pydantic, pydantic_core, annotated_types, typing_inspection" 2>/dev/null; then
     if compgen -G "$WHEELS_DIR/*.whl" > /dev/null; then

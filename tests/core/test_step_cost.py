@@ -252,3 +252,47 @@ def test_the_checker_trusts_no_hash_alone(monkeypatch):
         assert got.token_ids == expected and all(type(i) is int for i in got.token_ids)
         contexts.append(context)
     assert checker.extended > 30 and checker.checked > 30
+
+
+def test_threads_are_never_handed_one_block(monkeypatch):
+    import threading
+    import time
+
+    import genlm_core.rows as rows_module
+
+    counted = rows_module.storage_users
+
+    def slow_count(tensor: torch.Tensor) -> int | None:
+        users = counted(tensor)
+        time.sleep(1e-4)  # widen the window between looking at a block and handing it out
+        return users
+
+    monkeypatch.setattr(rows_module, "storage_users", slow_count)
+    memory = RowMemory(probe=8)
+    errors: list[str] = []
+
+    def work(me: int) -> None:
+        for i in range(100):
+            block = memory.take(2, 8, torch.device("cpu"))
+            assert block is not None
+            block.fill_(float(me * 1000 + i))
+            for _ in range(20):
+                if not bool((block == float(me * 1000 + i)).all()):
+                    errors.append(f"thread {me} step {i}: its block was written by another")
+                    return
+            del block
+
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter lets them
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert memory.reused > 0
