@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:
 if importlib.util.find_spec("ray") is None:
     pytest.skip("Ray is not installed (pip install 'genlm-vllm[ray]')", allow_module_level=True)
 
-from genlm_core import load_model_by_name
+from genlm_core import Request, load_model_by_name
 from genlm_core.testing import check_lm_contract, max_abs_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
@@ -187,7 +187,7 @@ def test_replicas_split_a_batch_keep_lineages_together_and_fail_alone(cluster, p
         rows = asyncio.run(gather(lm, parents))
         for context, row in zip(parents, rows):
             assert max_abs_diff(row, hf.next_token_logprobs_sync(context)) < ATOL
-        placed = [lm.driver.router._known(tuple(c)) for c in parents]
+        placed = [lm.driver.router._known(Request(tuple(c))) for c in parents]
         assert sorted(placed) == [0] * 8 + [1] * 8  # both replicas served, evenly
 
         children = [c + [42] for c in parents]  # the next SMC step goes where its prefix is cached
