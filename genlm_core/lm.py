@@ -406,6 +406,7 @@ class AsyncLM(abc.ABC):
         self.batcher.close()
         with self.model_lock:
             self.cache.clear()
+            self.row_memory.clear()  # the blocks it follows, free or not, are the model's to release
             try:
                 self.clear_backend_cache()
             except Exception as exc:  # a crashed engine cannot clear its cache, but must still be released

@@ -10,13 +10,10 @@ or an infinity anywhere in a row's logits makes every entry of its log-softmax N
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 

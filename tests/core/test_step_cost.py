@@ -181,6 +181,9 @@ def test_the_model_reuses_row_memory_once_the_cache_lets_rows_go(toy_tok):
     assert lm.row_memory.reused > 0
     assert torch.equal(kept, before)
     assert storage_users(kept) is not None
+    lm.cleanup()
+    assert not lm.row_memory._blocks  # cleanup lets go of every block
+    assert torch.equal(kept, before)  # a row the caller holds stays as it was
 
 
 # ---- the cache counts the memory it keeps --------------------------------------------------------
