@@ -125,7 +125,7 @@ class Engine:
 def counters(lm: Any, backend: str) -> dict[str, float]:
     busy = {"busy": lm.batcher.stats.busy_seconds}  # the model's computing time
     if backend == "vllm":
-        if lm.driver.sessions is None:  # live_sessions=False: rows only
+        if lm.driver.sessions is None:  # live={'enabled': False}: rows only
             return {"rows": lm.batcher.stats.items, "computed": 0, "cached": 0, "copied": 0, **busy}
         s = lm.driver.sessions.stats
         work = {"rows": s.rows, "computed": s.tokens_computed, "cached": s.tokens_cached, "copied": s.tokens_copied}
@@ -169,7 +169,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--steps", default="32,64")
     ap.add_argument("--prompts", default="24,500")
-    ap.add_argument("--opts", type=json.loads, default={}, help="more llm_opts, as JSON: '{\"live_sessions\": false}'")
+    ap.add_argument(
+        "--opts", type=json.loads, default={}, help='more llm_opts, as JSON: \'{"live": {"enabled": false}}\''
+    )
     ap.add_argument("--ess", type=float, default=0.5, help="resample below this ESS / N (0: never)")
     ap.add_argument("--versus", default="", help="two backends, e.g. hf,llamacpp: the same SMC on each, interleaved")
     args = ap.parse_args()

@@ -17,7 +17,7 @@ from genlm_core.errors import (
     VocabDecodingError,
 )
 from genlm_core.hookspecs import hookimpl
-from genlm_core.lm import AsyncLM, LoRASelection, Request, logits_to_logprobs
+from genlm_core.lm import AsyncLM, LoRASelection, Request, RowsOut, logits_to_logprobs
 from genlm_core.loading import default_backend, load_model, load_model_by_name
 from genlm_core.plugins import get_plugins
 from genlm_core.proposal import Proposal, masked_proposal
@@ -46,6 +46,7 @@ __all__ = [
     "Proposal",
     "Register",
     "Request",
+    "RowsOut",
     "Token",
     "Tokenizer",
     "VocabDecodingError",

@@ -31,4 +31,5 @@ def register_backends(register: Register) -> None:
         options=MockOptions,
         description="No model: deterministic random distributions over a real tokenizer's vocabulary.",
         resolve_name="genlm_core.mock:tokenizer_location",
+        default_priority=None,  # its rows are random: used only when named
     )

@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("genlm_core.testing").setLevel(logging.INFO)  # announce one-time downloads and builds
+    logging.getLogger("genlm_core.assets").setLevel(logging.INFO)  # announce one-time downloads and builds
     handlers = list(logging.root.handlers)
     for handler in handlers:
         handler.addFilter(not_shown_elsewhere)

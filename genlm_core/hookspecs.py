@@ -21,7 +21,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def register_backends(register: Register) -> None:
-    """Declare language-model backends with ``register.backend(name, factory, options=...)``.
+    """Declare language-model backends with ``register.backend(name, factory, options=...)``; what else
+    a backend declares (its default priority, its install command, ...) is keywords of that call.
 
     Returns nothing: everything goes through ``register``.
     """

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from genlm_core.assets import smollm2_dir, smollm2_path
 from genlm_core.errors import MissingDependencyError, ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,10 @@ class OfflineModel:
 
 
 def _smollm2() -> Path:
-    from genlm_core.testing.models import smollm2_dir
-
     return smollm2_dir()
 
 
 def _smollm2_built() -> bool:
-    from genlm_core.testing.models import smollm2_path
-
     return (smollm2_path() / "config.json").exists()
 
 

@@ -1,34 +1,50 @@
-"""Automatic KV reuse, framework-agnostic: which states to reuse and how a batch is laid out.
+"""Automatic KV reuse, framework-agnostic: which states to reuse, how a batch is laid out, and the
+forward step that runs it, written once for every backend that keeps KV states (hf, mlx).
 
-A backend that keeps KV states (transformers, MLX, ...) mixes in :class:`KVReuse` and implements
-one tensor operation, :meth:`KVReuse.forward_new`: lay out the batch's cached prefixes, run the new
-tokens, return last-position logits and the new block.
+A backend mixes in :class:`KVReuse`, calls :meth:`KVReuse.kv_forward_batch` from its
+``forward_batch``, and implements two tensor operations, with host (numpy) index arrays in:
+
+- :meth:`KVReuse.gather_kv`: copy stored keys and values into a new past, by a :class:`Gather`;
+- :meth:`KVReuse.run_step`: run a :class:`Step` (new tokens after a past, under a mask) and return
+  the logits wanted and every layer's keys and values;
+
+and, with LoRA adapters, :meth:`KVReuse.adapter_context`. Everything else is here: grouping requests
+by adapter, prefix-cache lookups, chunked prefill, the layout, the gather index, the masks, what is
+stored, and the counters (``forward_calls``, ``tokens_computed``).
 
 Layout of one batch: each row's cached prefix comes from some earlier *block* (the KV states one
-forward pass produced, with a mask of which positions hold real tokens). Blocks are right-aligned
-in a past of ``past_length`` positions; new tokens are left-padded to ``width`` so every row ends
-at the last position. Real positions are explicit and a mask hides every pad, so holes are harmless
-to the result; they cost time, and they pile up when blocks are extended again and again (a byte
-beam's prefill), so a backend squeezes them out when :meth:`BatchPlan.worth_compacting` says so.
-Two layouts serve a byte beam's batches, for backends that set ``packs_shared_tokens``: sequences that
-share new tokens after one cached prefix are packed into one tree-masked row (:func:`pack_shared`), and
-sequences whose cached prefixes are mostly the same tokens run as one row over a merged past that holds
-each distinct prefix token once (:func:`plan_merged`).
+forward pass produced, with a mask of which positions hold real tokens). New tokens are left-padded
+to ``width`` so every row ends at the last position, with their real positions explicit. The past is
+either a stored block as it is (when the batch is exactly its rows, in order: no copy), or each row's
+real positions gathered and right-aligned, with room after them for the new tokens. A mask hides every
+pad and hole, so holes are harmless to the result; they cost time and pile up when blocks are extended
+again and again (a byte beam's prefill), so a block is reused as it is only while holes are at most a
+quarter of it. Two layouts serve a byte beam's batches, for backends that set ``packs_shared_tokens``:
+sequences that share new tokens after one cached prefix are packed into one tree-masked row
+(:func:`pack_shared`), and sequences whose cached prefixes are mostly the same tokens run as one row
+over a merged past that holds each distinct prefix token once (:func:`plan_merged`).
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 from pydantic import Field, PositiveInt
 
 from genlm_core.config import BackendOptions
 from genlm_core.prefix_cache import PrefixCache
+from genlm_core.request import Request
+
+#: Per layer ``(keys, values)``, each ``[rows, heads, positions, head_dim]`` (torch, MLX, ...).
+KV = list[tuple[Any, Any]]
 
 
 def default_kv_cache_bytes() -> int:
@@ -54,17 +70,15 @@ class KVReuseOptions(BackendOptions):
 
 
 class KVBlock:
-    """The KV states one forward pass produced: per layer ``(keys, values)`` arrays of shape
-    ``[rows, heads, length, head_dim]`` (torch, MLX, ...), and ``mask[row, position]``: whether that
-    position holds a real token of the row (pads and holes are False). ``host_mask`` is the same mask
-    as a numpy array, for backends that lay out pasts from it (those that pack shared tokens)."""
+    """The KV states one forward pass produced: ``kv`` (per layer, ``[rows, heads, length, head_dim]``)
+    and ``mask``, a numpy bool ``[rows, length]`` on the host: whether a position holds a real token of
+    the row (pads and holes are False)."""
 
-    __slots__ = ("host_mask", "kv", "mask", "nbytes")
+    __slots__ = ("kv", "mask", "nbytes")
 
-    def __init__(self, kv: list[tuple[Any, Any]], mask: Any, host_mask: np.ndarray | None = None):
+    def __init__(self, kv: KV, mask: np.ndarray):
         self.kv = kv
         self.mask = mask
-        self.host_mask = host_mask
         self.nbytes = int(sum(k.nbytes + v.nbytes for k, v in kv) + mask.nbytes)
 
     @property
@@ -76,30 +90,45 @@ class KVBlock:
         return int(self.mask.shape[1])
 
 
-#: Where a cached sequence's states are: ``(block, row)`` when they are every real position of that
-#: row, or ``(block, row, columns)`` when the row is packed with other sequences and only ``columns``
-#: (ascending) are this sequence's.
-Entry = tuple[Any, ...]
+@dataclass(frozen=True, eq=False)
+class Entry:
+    """Where one cached sequence's states are: row ``row`` of ``block``, at every real position of the
+    row, or, when the row is packed with other sequences, at ``columns`` only (ascending)."""
+
+    block: KVBlock
+    row: int
+    columns: np.ndarray | None = None
+
+    def positions(self) -> np.ndarray:
+        """The block's columns holding this sequence's states, in order."""
+        return self.columns if self.columns is not None else np.flatnonzero(self.block.mask[self.row])
+
+
+class TokenTree(NamedTuple):
+    """New tokens shared by several sequences: ``parents[j]`` is the index of token ``j``'s parent
+    among ``tokens`` (-1: the cached prefix), parents first."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
 
 
 @dataclass
 class KVRow:
     """One row of the batch: ``ids[:done]`` have states in ``entry``, the rest are new.
 
-    A *packed* row holds several sequences that share ``ids[:done]`` and more: its new tokens are a
-    tree, ``tree = (tokens, parents)`` with ``parents[j]`` the index of token ``j``'s parent among
-    ``tokens`` (-1: the cached prefix), parents first. ``ids`` is then the shared prefix alone.
+    A *packed* row holds several sequences that share ``ids[:done]``: its new tokens are ``tree``, and
+    ``ids`` is the shared prefix alone.
     """
 
     ids: tuple[int, ...]
     done: int = 0
     entry: Entry | None = None
-    tree: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    tree: TokenTree | None = None
 
     @property
     def new(self) -> tuple[int, ...]:
         """The tokens this row runs through the model."""
-        return self.tree[0] if self.tree is not None else self.ids[self.done :]
+        return self.tree.tokens if self.tree is not None else self.ids[self.done :]
 
     def ancestors(self, j: int) -> list[int]:
         """Indices among :attr:`new` of token ``j`` and the new tokens before it in its sequence."""
@@ -108,26 +137,106 @@ class KVRow:
         chain = []
         while j >= 0:
             chain.append(j)
-            j = self.tree[1][j]
+            j = self.tree.parents[j]
         return chain[::-1]
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
+class GatherPart:
+    """Stored states copied into the past: ``past[into[i], :, at + j] = block.kv[rows[i], :, columns[i, j]]``
+    in every layer (``i`` over ``rows``, ``j`` over ``columns.shape[1]``)."""
+
+    block: KVBlock
+    rows: np.ndarray  #: int64 ``[k]``, rows of ``block``
+    into: np.ndarray  #: int64 ``[k]``, rows of the past
+    columns: np.ndarray  #: int64 ``[k, m]``, columns of ``block``
+    at: int = 0  #: the first position of the past written
+
+
+@dataclass(frozen=True, eq=False)
+class Gather:
+    """How a batch's past is copied from stored states: ``rows`` x ``length + room`` positions, written
+    by ``parts``. The ``room`` positions after the past are for the new tokens' states (they need not be
+    written: the step writes them before reading). Other positions no part writes must be zeros (they
+    are masked; any finite value would do, but never NaN); when ``complete``, parts write them all."""
+
+    rows: int
+    length: int
+    room: int
+    parts: list[GatherPart]
+    complete: bool
+
+    def whole(self) -> GatherPart | None:
+        """The one part that writes the whole past (room included), row by row in order: its copy *is*
+        the past."""
+        if len(self.parts) != 1:
+            return None
+        part = self.parts[0]
+        full = part.at == 0 and part.columns.shape[1] == self.length + self.room
+        return part if full and np.array_equal(part.into, np.arange(self.rows)) else None
+
+
+@dataclass(frozen=True, eq=False)
+class Past:
+    """A batch's past: none (``length`` 0), a stored block as it is (``block``), or a ``gather``."""
+
+    mask: np.ndarray  #: bool ``[rows, length]``: which past positions are real tokens
+    block: KVBlock | None = None
+    gather: Gather | None = None
+    #: bool ``[width, length]``, for a merged past (one row): which past positions each new token sees;
+    #: None: each token sees its row's real positions
+    seen: np.ndarray | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.mask.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One forward pass, as a backend's :meth:`KVReuse.run_step` runs it. Index arrays are numpy, on the
+    host; the backend moves them where its model runs."""
+
+    input_ids: np.ndarray  #: int64 ``[rows, width]``, left-padded with 0
+    positions: np.ndarray  #: int64 ``[rows, width]``: each new token's position in its sequence (0 on pads)
+    past: KV | None  #: ``[rows, heads, >= past_length, head_dim]`` per layer; None: no past
+    past_length: int  #: how many positions of ``past`` are the past
+    #: the new tokens' states are written into ``past`` right after ``past_length`` (it was gathered
+    #: with room for them); else ``past`` is a stored block, never written: they are appended to a copy
+    room: bool
+    keys: np.ndarray  #: bool ``[rows, past_length + width]``: real tokens (pads and holes False); the new block's mask
+    #: bool ``[rows, width, past_length + width]``: which keys each new token attends to (packed rows,
+    #: merged pasts); None: causal attention over ``keys``
+    sees: np.ndarray | None
+    outputs: list[tuple[int, int]]  #: ``(row, column)`` of each logits row wanted, in order
+
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def attention(self) -> np.ndarray:
+        """``sees``, or the causal mask over ``keys``, as one bool ``[rows, width, past_length + width]``;
+        a pad sees itself (a query that sees nothing would give NaN)."""
+        if self.sees is not None:
+            return self.sees
+        width, past = self.width, self.past_length
+        allowed = np.concatenate([np.ones((width, past), bool), np.tri(width, dtype=bool)], axis=1)
+        itself = np.concatenate([np.zeros((width, past), bool), np.eye(width, dtype=bool)], axis=1)
+        return (allowed[None] & self.keys[:, None, :]) | itself[None]
+
+
+@dataclass(eq=False)
 class BatchPlan:
-    """Everything a backend needs to run one forward pass over the rows' new tokens."""
+    """Everything one forward pass over the rows' new tokens needs, on the host."""
 
     rows: list[KVRow]
-    input_ids: np.ndarray  #: int64 [batch, width], left-padded with 0
-    new_mask: np.ndarray  #: bool [batch, width], True on real tokens
-    positions: np.ndarray  #: int64 [batch, width], real position of every new token (0 on pads)
-    #: source block -> (block, batch rows, rows in that block), in first-use order
-    groups: list[tuple[Any, list[int], list[int]]] = field(default_factory=list)
-    past_length: int = 0
-    #: per batch row: the columns of its source row that are its past (None: all real ones)
-    columns: list[np.ndarray | None] = field(default_factory=list)
-    #: (batch row, column) of every logits row wanted, in order; default: each row's last column
-    outputs: list[tuple[int, int]] = field(default_factory=list)
-    #: bool [batch, width, width]: which new tokens each new token sees (packed rows); None: causal
+    input_ids: np.ndarray  #: int64 ``[batch, width]``, left-padded with 0
+    new_mask: np.ndarray  #: bool ``[batch, width]``, True on real tokens
+    positions: np.ndarray  #: int64 ``[batch, width]``, real position of every new token (0 on pads)
+    past: Past
+    #: ``(batch row, column)`` of every logits row wanted, in order
+    outputs: list[tuple[int, int]]
+    #: bool ``[batch, width, width]``: which new tokens each new token sees (packed rows); None: causal
     tree: np.ndarray | None = None
     #: every row's past merged into one (the batch is then one row): see :func:`plan_merged`
     merged: MergedPast | None = None
@@ -136,30 +245,27 @@ class BatchPlan:
     def width(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def reuses_whole_block(self) -> Any | None:
-        """The block whose rows are exactly this batch's pasts, in order (its states need no copy)."""
-        if len(self.groups) == 1 and all(c is None for c in self.columns):
-            block, dst, src = self.groups[0]
-            if len(dst) == len(self.rows) and src == list(range(len(src))) and block.rows == len(src):
-                return block
-        return None
-
     @property
     def real_past_length(self) -> int:
         """The longest cached prefix among the rows: the past's length with every hole squeezed out."""
         return max((r.done for r in self.rows if r.entry is not None), default=0)
 
-    def worth_compacting(self) -> bool:
-        """Whether holes (pads of earlier batches) are over a quarter of the past: then copying the
-        rows' real positions into a dense past costs less than attending over the holes again."""
-        holes = self.past_length - self.real_past_length
-        return holes > max(8, self.past_length // 4)
+    def step(self, past: KV | None) -> Step:
+        """The :class:`Step` that runs this plan over ``past``: the states :attr:`past` names."""
+        p = self.past
+        keys = np.concatenate([p.mask, self.new_mask], axis=1)
+        sees = None
+        if self.tree is not None:  # each new token sees its row's past (or its own prefix) and its ancestors
+            n, width = self.input_ids.shape
+            seen = p.seen[None] if p.seen is not None else np.broadcast_to(p.mask[:, None, :], (n, width, p.length))
+            sees = np.concatenate([seen, self.tree], axis=2)
+        return Step(self.input_ids, self.positions, past, p.length, p.gather is not None, keys, sees, self.outputs)
 
 
 def lay_tree(sees: np.ndarray, positions: np.ndarray, start: int, parents: Sequence[int], done: int) -> None:
     """Write a token tree laid out from column ``start``: ``sees[start + j]`` marks token ``j`` and its
     ancestors, ``positions[start + j]`` its depth after ``done`` cached tokens (``parents`` as in
-    :attr:`KVRow.tree`, parents first)."""
+    :class:`TokenTree`)."""
     for j, parent in enumerate(parents):
         if parent >= 0:
             sees[start + j] = sees[start + parent]
@@ -167,6 +273,39 @@ def lay_tree(sees: np.ndarray, positions: np.ndarray, start: int, parents: Seque
         else:
             positions[start + j] = done
         sees[start + j, start + j] = True
+
+
+def lay_past(rows: list[KVRow], width: int) -> Past:
+    """The past of a padded batch: the one block whose rows are the batch's, in order, as it is (unless
+    holes, pads of earlier batches, are over a quarter of it: then copying costs less than attending over
+    them again); else each row's cached positions gathered, right-aligned, with room for ``width`` new
+    tokens after them. In the gather index, a row's pads and room repeat its first column (any column
+    would do: pads are masked, room is overwritten), so each block's rows are one copy per layer."""
+    n = len(rows)
+    cached = [(b, r.entry) for b, r in enumerate(rows) if r.entry is not None]
+    if not cached:
+        return Past(np.zeros((n, 0), bool))
+    block = cached[0][1].block
+    length = max(r.done for r in rows if r.entry is not None)
+    if len(cached) == n == block.rows and all(e.block is block and e.row == b and e.columns is None for b, e in cached):
+        if block.length - length <= max(8, block.length // 4):
+            return Past(block.mask, block=block)
+    mask = np.zeros((n, length), bool)
+    by_block: dict[int, tuple[KVBlock, list[int], list[int], list[np.ndarray]]] = {}
+    for b, entry in cached:
+        columns = entry.positions()
+        index = np.full(length + width, columns[0], np.int64)
+        index[length - len(columns) : length] = columns
+        mask[b, length - len(columns) :] = True
+        _, into, src, index_rows = by_block.setdefault(id(entry.block), (entry.block, [], [], []))
+        into.append(b)
+        src.append(entry.row)
+        index_rows.append(index)
+    parts = [
+        GatherPart(blk, np.asarray(src, np.int64), np.asarray(into, np.int64), np.stack(index))
+        for blk, into, src, index in by_block.values()
+    ]
+    return Past(mask, gather=Gather(n, length, width, parts, complete=len(cached) == n))
 
 
 def plan_batch(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) -> BatchPlan:
@@ -178,8 +317,6 @@ def plan_batch(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) 
     new_mask = np.zeros((n, width), bool)
     positions = np.zeros((n, width), np.int64)
     tree = np.zeros((n, width, width), bool) if any(r.tree is not None for r in rows) else None
-    groups: dict[int, tuple[Any, list[int], list[int]]] = {}
-    columns: list[np.ndarray | None] = []
     for b, r in enumerate(rows):
         new = r.new
         start = width - len(new)
@@ -191,19 +328,12 @@ def plan_batch(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) 
                 tree[b, start:, start:] = np.tri(len(new), dtype=bool)
         else:
             assert tree is not None
-            lay_tree(tree[b], positions[b], start, r.tree[1], r.done)
+            lay_tree(tree[b], positions[b], start, r.tree.parents, r.done)
         if tree is not None:
             tree[b, np.arange(start), np.arange(start)] = True  # a pad sees itself: no query sees nothing
-        columns.append(r.entry[2] if r.entry is not None and len(r.entry) > 2 else None)
-        if r.entry is not None:
-            block, src = r.entry[0], r.entry[1]
-            _, dst_rows, src_rows = groups.setdefault(id(block), (block, [], []))
-            dst_rows.append(b)
-            src_rows.append(src)
-    past = max((block.length for block, _, _ in groups.values()), default=0)
     wanted = outputs if outputs is not None else [(b, len(r.new) - 1) for b, r in enumerate(rows)]
     at = [(b, width - len(rows[b].new) + j) for b, j in wanted]
-    return BatchPlan(rows, input_ids, new_mask, positions, list(groups.values()), past, columns, at, tree)
+    return BatchPlan(rows, input_ids, new_mask, positions, lay_past(rows, width), at, tree)
 
 
 def pack_shared(rows: list[KVRow], limit: int) -> tuple[list[KVRow], list[tuple[int, int]]]:
@@ -212,7 +342,8 @@ def pack_shared(rows: list[KVRow], limit: int) -> tuple[list[KVRow], list[tuple[
     at most ``limit`` tokens. Returns the rows and, per sequence, ``(row, j)`` of its last token."""
     groups: dict[Any, list[int]] = {}
     for i, r in enumerate(rows):
-        key = None if r.entry is None else (id(r.entry[0]), r.entry[1], id(r.entry[2]) if len(r.entry) > 2 else None)
+        e = r.entry
+        key = None if e is None else (id(e.block), e.row, None if e.columns is None else id(e.columns))
         groups.setdefault(key, []).append(i)
     out: list[KVRow] = []
     where: list[tuple[int, int]] = [(0, 0)] * len(rows)
@@ -233,8 +364,9 @@ def pack_shared(rows: list[KVRow], limit: int) -> tuple[list[KVRow], list[tuple[
             last.append(node)
         if len(members) > 1 and len(tokens) < sum(len(rows[i].new) for i in members) and len(tokens) <= limit:
             first = rows[members[0]]
-            tree = (tuple(tokens), tuple(parents))
-            out.append(KVRow(first.ids[: first.done], first.done, first.entry, tree))
+            out.append(
+                KVRow(first.ids[: first.done], first.done, first.entry, TokenTree(tuple(tokens), tuple(parents)))
+            )
             for i, node in zip(members, last):
                 where[i] = (len(out) - 1, node)
         else:
@@ -244,21 +376,18 @@ def pack_shared(rows: list[KVRow], limit: int) -> tuple[list[KVRow], list[tuple[
     return out, where
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class MergedPast:
-    """The cached prefixes of several sequences as one past, each distinct prefix once.
+    """The cached prefixes of several sequences as one past, each distinct prefix token once.
 
     A byte beam's sequences share all but their last few tokens: run as separate rows, each would
     copy and attend over its own copy of the shared prefix. Merged, the batch is one row whose past
-    holds every distinct prefix token once, and a mask lets each new token see only its own
-    sequence's prefix. ``sources``: ``(block, row, columns of that row, positions in the merged
-    past)``; ``seen``: bool ``[width, length]``, the merged positions each new token attends to;
-    ``prefixes[i]``: input row ``i``'s prefix as merged positions, in order.
+    holds every distinct prefix token once (gathered by the plan's :class:`Gather`), and a mask lets
+    each new token see only its own sequence's prefix. ``prefixes[i]``: input row ``i``'s prefix as
+    merged positions, in order.
     """
 
     length: int
-    sources: list[tuple[Any, int, np.ndarray, np.ndarray]]
-    seen: np.ndarray
     prefixes: list[np.ndarray]
     offsets: list[int]  #: where input row ``i``'s new tokens start in the merged row
 
@@ -273,13 +402,13 @@ COPY_COST = 8
 def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None) -> BatchPlan | None:
     """``rows`` as one row over their merged past (:class:`MergedPast`) when that costs clearly less
     than the padded layout of :func:`plan_batch` (no pads run; attention spans every sequence's
-    prefix), counting tokens at :data:`TOKEN_COST` attention pairs; else None. Needs blocks with a
-    ``host_mask``. ``outputs`` as in :func:`plan_batch`."""
+    prefix), counting tokens at :data:`TOKEN_COST` attention pairs; else None. ``outputs`` as in
+    :func:`plan_batch`."""
     width = sum(len(r.new) for r in rows)
     longest, past = max(len(r.new) for r in rows), max(r.done for r in rows)
     padded_cost = len(rows) * longest * (TOKEN_COST + past + longest)
     entries = [r.entry for r in rows if r.entry is not None]
-    if not (len(entries) == len(rows) and all(len(e) == 2 and e[0] is entries[0][0] for e in entries)):
+    if not (len(entries) == len(rows) and all(e.columns is None and e.block is entries[0].block for e in entries)):
         padded_cost += COPY_COST * len(rows) * past  # the padded layout gathers each row's past
 
     def worth_it(length: int) -> bool:
@@ -288,16 +417,15 @@ def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None)
     if not worth_it(past):  # the merged past is at least the longest prefix
         return None
     nodes: dict[tuple[int, int], int] = {}
-    by_source: dict[tuple[int, int], tuple[Any, int, list[int], list[int]]] = {}
+    by_source: dict[tuple[int, int], tuple[Entry, list[int], list[int]]] = {}
     prefixes = []
     for r in rows:
         path: list[int] = []
         if r.entry is not None and r.done:
-            block, row = r.entry[0], r.entry[1]
-            columns = r.entry[2] if len(r.entry) > 2 else np.flatnonzero(block.host_mask[row])
+            columns = r.entry.positions()
             if len(columns) != r.done:
                 return None
-            _, _, cols, at = by_source.setdefault((id(block), row), (block, row, [], []))
+            _, cols, at = by_source.setdefault((id(r.entry.block), r.entry.row), (r.entry, [], []))
             node = -1
             for k in range(r.done):
                 key = (node, r.ids[k])
@@ -322,36 +450,51 @@ def plan_merged(rows: list[KVRow], outputs: list[tuple[int, int]] | None = None)
         offsets.append(at_token)
         new = r.new
         input_ids[0, at_token : at_token + len(new)] = new
-        parents = r.tree[1] if r.tree is not None else tuple(range(-1, len(new) - 1))
+        parents = r.tree.parents if r.tree is not None else tuple(range(-1, len(new) - 1))
         lay_tree(tree[0], positions[0], at_token, parents, r.done)
         seen[at_token : at_token + len(new), prefix] = True
         at_token += len(new)
-    sources = [
-        (block, row, np.asarray(c, np.int64), np.asarray(a, np.int64))
-        for block, row, c, a in by_source.values()
-        if a  # a row whose prefix is all in earlier rows' adds nothing
-    ]
+    parts = []  # each source row's columns, one part per run of consecutive merged positions
+    for entry, cols, at in by_source.values():
+        if not at:  # a row whose prefix is all in earlier rows' adds nothing
+            continue
+        breaks = np.flatnonzero(np.diff(at) != 1) + 1
+        for lo, hi in zip([0, *breaks], [*breaks, len(at)]):
+            one = np.asarray([entry.row], np.int64)
+            parts.append(
+                GatherPart(entry.block, one, np.zeros(1, np.int64), np.asarray([cols[lo:hi]], np.int64), at[lo])
+            )
     wanted = outputs if outputs is not None else [(b, len(r.new) - 1) for b, r in enumerate(rows)]
-    merged = MergedPast(length, sources, seen, prefixes, offsets)
+    gather = Gather(1, length, width, parts, complete=True) if length else None
     return BatchPlan(
         rows,
         input_ids,
         np.ones((1, width), bool),
         positions,
-        outputs=[(0, offsets[b] + j) for b, j in wanted],
-        tree=tree,
-        merged=merged,
+        Past(np.ones((1, length), bool), gather=gather, seen=seen),
+        [(0, offsets[b] + j) for b, j in wanted],
+        tree,
+        MergedPast(length, prefixes, offsets),
     )
 
 
 class KVReuse(abc.ABC):
-    """Mixin: next-token logits for token sequences, computing only what no cached prefix covers."""
+    """Mixin: next-token logits for token sequences, computing only what no cached prefix covers.
 
-    kv: PrefixCache
+    What a backend implements: :meth:`gather_kv` and :meth:`run_step` (and :meth:`adapter_context` with
+    LoRA adapters, :attr:`packs_shared_tokens` if its steps take any mask); it calls
+    :meth:`init_kv_reuse` when built and :meth:`kv_forward_batch` from ``forward_batch``.
+    """
+
+    kv: PrefixCache[Entry]
     reuse_kv: bool
     prefill_chunk_size: int
     forward_calls: int
     tokens_computed: int
+
+    #: Whether :meth:`run_step` takes ``sees`` masks (packed rows, merged pasts) and outputs at any
+    #: column; a backend that can sets it, and shared new tokens (a byte beam's lookahead) then run once.
+    packs_shared_tokens: bool = False
 
     def init_kv_reuse(self, options: KVReuseOptions, reuse: bool | None = None) -> None:
         """Set up the KV cache from ``options``; ``reuse`` overrides ``options.reuse_kv`` (a backend
@@ -362,21 +505,48 @@ class KVReuse(abc.ABC):
         self.forward_calls = 0  # forward passes run
         self.tokens_computed = 0  # real (non-pad) tokens those passes computed
 
-    #: Whether :meth:`forward_new` runs packed rows (``plan.tree``) and its blocks carry ``host_mask``;
-    #: a backend that can sets it, and shared new tokens (a byte beam's lookahead) then run once.
-    packs_shared_tokens: bool = False
+    # ---- what a backend implements -------------------------------------------------------------
 
     @abc.abstractmethod
-    def forward_new(self, plan: BatchPlan) -> tuple[Any, Any]:
-        """Run ``plan``'s new tokens after its past; return the logits at ``plan.outputs``
-        ``[len(outputs), vocab]`` (without packed rows: each row's last position, in order) and the
-        new block holding every row's states."""
+    def gather_kv(self, gather: Gather) -> KV:
+        """The past ``gather`` describes: per layer, keys and values
+        ``[gather.rows, heads, gather.length + gather.room, head_dim]``."""
+
+    @abc.abstractmethod
+    def run_step(self, step: Step) -> tuple[torch.Tensor, KV]:
+        """Run ``step``'s new tokens after its past; return the logits at ``step.outputs``
+        (``[len(outputs), vocab]``, any float dtype and device) and, per layer, the keys and values of
+        the past and the new tokens (``[rows, heads, past_length + width, head_dim]``)."""
+
+    def adapter_context(self, adapter: str | None) -> AbstractContextManager[Any]:
+        """A context in which the model runs LoRA adapter ``adapter`` (None: the base model)."""
+        return contextlib.nullcontext()
+
+    # ---- the forward step, written once ---------------------------------------------------------
 
     def clear_backend_cache(self) -> None:
         """Forget every stored KV state (AsyncLM.clear_cache and cleanup call this)."""
         self.kv.clear()
 
-    def kv_logits(self, sequences: Sequence[tuple[int, ...]], namespace: Any = None) -> Any:
+    def kv_forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+        """Logits ``[len(requests), W]`` for ``forward_batch``: each adapter's requests run under
+        :meth:`adapter_context`, their states kept apart under that adapter's name."""
+        by_adapter: dict[str | None, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_adapter.setdefault(r.adapter, []).append(i)
+        out: torch.Tensor | None = None
+        for adapter, rows in by_adapter.items():
+            with self.adapter_context(adapter):
+                logits = self.kv_logits([requests[i].token_ids for i in rows], adapter)
+            if len(by_adapter) == 1:  # the logits as the model computed them: core normalises them in one pass
+                return logits
+            if out is None:
+                out = logits.new_empty(len(requests), logits.shape[-1], dtype=torch.float32)
+            out[rows] = logits.float()
+        assert out is not None
+        return out
+
+    def kv_logits(self, sequences: Sequence[tuple[int, ...]], namespace: Any = None) -> torch.Tensor:
         """Last-position logits for each sequence, reusing and then storing KV states under ``namespace``."""
         rows = []
         for ids in sequences:
@@ -395,6 +565,15 @@ class KVReuse(abc.ABC):
                 return self._run(packed, namespace, list(sequences), where)[0]
         return self._run(rows, namespace)[0]
 
+    def forward_new(self, plan: BatchPlan) -> tuple[torch.Tensor, KVBlock]:
+        """Run ``plan``: its past gathered (or a stored block as it is), then its step; the logits at
+        ``plan.outputs`` and the new block."""
+        p = plan.past
+        past = p.block.kv if p.block is not None else self.gather_kv(p.gather) if p.gather is not None else None
+        step = plan.step(past)
+        logits, kv = self.run_step(step)
+        return logits, KVBlock(kv, step.keys)
+
     def _run(
         self,
         rows: list[KVRow],
@@ -402,7 +581,7 @@ class KVReuse(abc.ABC):
         sequences: list[tuple[int, ...]] | None = None,
         where: list[tuple[int, int]] | None = None,
         plan: BatchPlan | None = None,
-    ) -> tuple[Any, list[Entry]]:
+    ) -> tuple[torch.Tensor, list[Entry]]:
         """One forward pass (of ``plan``, default: :func:`plan_batch` of the rows); stores and returns
         the entry of each sequence. Without ``sequences``, each row is one sequence (its last token);
         else ``where[i]`` is ``(row, j)`` of sequence ``i``'s last."""
@@ -411,7 +590,7 @@ class KVReuse(abc.ABC):
         self.tokens_computed += int(plan.new_mask.sum())
         logits, block = self.forward_new(plan)
         if sequences is None or where is None:
-            entries: list[Entry] = [(block, b) for b in range(len(rows))]
+            entries = [Entry(block, b) for b in range(len(rows))]
             sequences = [r.ids for r in rows]
         else:
             entries = [self._entry(plan, block, b, j) for b, j in where]
@@ -427,11 +606,9 @@ class KVReuse(abc.ABC):
         if plan.merged is not None:
             m = plan.merged
             own = np.asarray(row.ancestors(j)) + m.length + m.offsets[b]
-            return (block, 0, np.concatenate([m.prefixes[b], own]))
+            return Entry(block, 0, np.concatenate([m.prefixes[b], own]))
         if row.tree is None:
-            return (block, b)
-        assert block.host_mask is not None, "a backend that packs rows gives its blocks a host_mask"
-        past = block.length - plan.width
-        first = block.length - len(row.new)
-        own = np.asarray(row.ancestors(j)) + first
-        return (block, b, np.concatenate([np.flatnonzero(block.host_mask[b, :past]), own]))
+            return Entry(block, b)
+        past = plan.past.length
+        own = np.asarray(row.ancestors(j)) + block.length - len(row.new)
+        return Entry(block, b, np.concatenate([np.flatnonzero(block.mask[b, :past]), own]))

@@ -53,22 +53,17 @@ class Continuation(Generic[H]):
 
 
 class LiveContexts(Generic[H]):
-    """The sequences an engine holds alive after a batch, by exact context; each is continued by
-    at most one request of the next batch.
+    """The sequences an engine holds alive, by exact context; each is continued by at most one
+    request of a batch.
 
-    :meth:`plan` matches a batch against them and hands back the ones nobody continued (release
-    them); afterwards the caller :meth:`keep` s the sequences the batch left alive. By default a
-    sequence is live for one batch only (an engine whose parked sequences hold scarce slots, like
-    vLLM's sessions): a program that skips a step or goes back gets a fresh computation, which is
-    always right. With ``keep_unclaimed`` the sequences nobody continued stay live, oldest first in
-    line for :meth:`evict` (an engine whose sequences are cheap to hold, like llama.cpp's), so a
-    particle whose row came in a later batch still continues its sequence; ``max_idle_batches``
-    bounds how many batches in a row a sequence may go unclaimed before :meth:`plan` releases it
-    (None: until evicted)."""
+    :meth:`plan` matches a batch against them; afterwards the caller :meth:`keep` s the sequences the
+    batch left alive. Sequences nobody continued stay live, oldest first in line for :meth:`evict`,
+    so a particle whose row comes in a later batch still continues its sequence;
+    ``max_idle_batches`` bounds how many batches in a row a sequence may go unclaimed before
+    :meth:`plan` lets it go (None: until evicted)."""
 
-    def __init__(self, lookback: int = 1, keep_unclaimed: bool = False, max_idle_batches: int | None = None):
+    def __init__(self, lookback: int = 1, max_idle_batches: int | None = None):
         self.lookback = lookback
-        self.keep_unclaimed = keep_unclaimed
         self.max_idle_batches = max_idle_batches
         self._live: dict[LineageKey, H] = {}
         self._idle: dict[LineageKey, int] = {}  # batches since each live sequence was last kept
@@ -77,10 +72,10 @@ class LiveContexts(Generic[H]):
         return len(self._live)
 
     def plan(self, requests: Sequence[Request]) -> tuple[list[Continuation[H] | None], list[H]]:
-        """One :class:`Continuation` (or None: compute afresh) per request, and the handles to
-        release: those no request continues (none with ``keep_unclaimed``: they stay live). A
-        request extending a sequence that an earlier request of the batch continues gets a ``fork``."""
-        live, self._live = self._live, {}
+        """One :class:`Continuation` (or None: no live sequence to extend) per request, and the
+        handles of sequences idle for more than ``max_idle_batches`` (release them). A request
+        extending a sequence that an earlier request of the batch continues gets a ``fork``."""
+        live = self._live
         continued: dict[LineageKey, H] = {}
         plan: list[Continuation[H] | None] = []
         for request in requests:
@@ -97,18 +92,14 @@ class LiveContexts(Generic[H]):
             else:
                 cut, (handle, fork) = hit
                 plan.append(Continuation(handle, request.token_ids[-cut:], fork))
-        if not self.keep_unclaimed:
-            self._idle = {}
-            return plan, list(live.values())
         released = []
+        for key in continued:
+            self._idle.pop(key, None)
         for key in list(live):
             self._idle[key] = idle = self._idle.get(key, 0) + 1
             if self.max_idle_batches is not None and idle > self.max_idle_batches:
                 released.append(live.pop(key))
                 del self._idle[key]
-        for key in continued:
-            self._idle.pop(key, None)
-        self._live = live
         return plan, released
 
     def keep(self, request: Request, handle: H) -> H | None:
@@ -118,6 +109,10 @@ class LiveContexts(Generic[H]):
         self._live[request] = handle
         self._idle[request] = 0
         return before if before != handle else None
+
+    def items(self) -> list[tuple[LineageKey, H]]:
+        """``(context, handle)`` of each live sequence, kept longest ago first."""
+        return list(self._live.items())
 
     def contexts(self) -> list[LineageKey]:
         """The live sequences' contexts (as requests), kept longest ago first (the order of :meth:`evict`)."""

@@ -25,7 +25,7 @@ from genlm_core.closing import CLOSED, Closed
 from genlm_core.config import BackendOptions
 from genlm_core.errors import ClosedError
 from genlm_core.request import ContextChecker, Request
-from genlm_core.rows import RowMemory, nan_rows, normalise
+from genlm_core.rows import RowMemory, RowsOut, nan_rows, normalise
 from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
 from genlm_core.validation import (
     check_int,
@@ -128,18 +128,36 @@ class AsyncLM(abc.ABC):
 
     # ---- what a backend implements ---------------------------------------------------------
 
+    #: :meth:`forward_batch` (and :meth:`forward_stream`) return float32 logprobs already normalised
+    #: over the first ``vocab_size`` columns (an engine that normalises where it computes): they are
+    #: used as they are. A backend whose answer changes at run time makes it a property.
+    rows_normalised: bool = False
+
+    #: The backend streams rows: each request goes to :meth:`forward_stream` as it comes, with no
+    #: batch barrier (an engine with its own continuous batching). The batcher is not used for rows.
+    streams: bool = False
+
     @abc.abstractmethod
-    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor | Sequence[torch.Tensor]:
-        """Next-token logits for each request: ``[len(requests), W]`` with ``W >= vocab_size``.
+    def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
+        """Next-token logits for each request: ``[len(requests), W]`` with ``W >= vocab_size``, or
+        a sequence of ``len(requests)`` rows ``[W]`` in which a row that could not be computed is a
+        :class:`~genlm_core.batching.Failed` (its request alone fails; the others are answered).
 
         Any float dtype and device. Called with validated, distinct requests, under a lock.
         """
 
+    async def forward_stream(self, request: Request) -> torch.Tensor:
+        """Logits ``[W]`` of one request, computed as it comes (backends with :attr:`streams`).
+        Called outside :attr:`model_lock`: the engine serialises its own work."""
+        raise NotImplementedError(f"{type(self).__name__} sets streams but does not implement forward_stream")
+
     def forward_uncached(self, request: Request) -> torch.Tensor:
         """Logits ``[W]`` of one request from a plain forward pass with no reused state. The default
         runs :meth:`forward_batch` on it alone; backends with KV reuse override it."""
-        out = self.forward_batch([request])
-        return (out if isinstance(out, torch.Tensor) else torch.stack(list(out)))[0]
+        row = self.forward_batch([request])[0]
+        if isinstance(row, Failed):
+            raise row.error
+        return row
 
     def clear_backend_cache(self) -> None:  # noqa: B027 - optional hook, nothing to drop by default
         """Drop backend-held state such as KV caches (called by :meth:`clear_cache`)."""
@@ -190,11 +208,27 @@ class AsyncLM(abc.ABC):
         return await self.request_logprobs(request)
 
     async def request_logprobs(self, request: Request) -> torch.Tensor:
-        """The row of a request made by :meth:`request`: from the output cache, else batched."""
+        """The row of a request made by :meth:`request`: from the output cache, else batched (or
+        streamed, for a backend that :attr:`streams`)."""
         cached = self.cache.get(request)
         if cached is not None:
             return cached
-        return await self.batcher.submit(request, request)
+        if not self.streams:
+            return await self.batcher.submit(request, request)
+        self.ensure_open()
+        row = self.finish_rows([request], [await self.forward_stream(request)])[0]
+        if isinstance(row, Failed):
+            raise row.error
+        return row
+
+    def cached_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor | None:
+        """The row of ``token_ids`` if the output cache holds it, else None; computes nothing. For
+        callers that plan work around what is already known (the byte beam's prefetch)."""
+        return self.cache.get(self.request(token_ids, lora_name))
+
+    def cached_row(self, request: Request) -> torch.Tensor | None:
+        """:meth:`cached_logprobs` of a request made by :meth:`request`."""
+        return self.cache.get(request)
 
     def next_token_logprobs_sync(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Synchronous :meth:`next_token_logprobs` (computed directly, sharing caches and the lock)."""
@@ -275,8 +309,8 @@ class AsyncLM(abc.ABC):
     def finish_rows(
         self,
         requests: Sequence[Request],
-        out: torch.Tensor | Sequence[torch.Tensor],
-        normalised: bool = False,
+        out: RowsOut,
+        normalised: bool | None = None,
     ) -> list[torch.Tensor | Failed]:
         """Turn backend logits for ``requests`` into rows: normalise, check for NaN, cache. Used by
         :meth:`compute_rows`, and by backends that compute rows outside the batcher (streaming engines).
@@ -286,8 +320,25 @@ class AsyncLM(abc.ABC):
         on it), and the rows handed out are views of that block, not copies. ``normalised``: ``out``
         already holds float32 logprobs over the first ``vocab_size`` columns (an engine that
         normalised where it computed them); they are used as they are, unless this vocabulary has
-        ids the tokenizer does not cover (then they are normalised again, without those ids)."""
-        logits = out if isinstance(out, torch.Tensor) else torch.stack(list(out))
+        ids the tokenizer does not cover (then they are normalised again, without those ids); None:
+        :attr:`rows_normalised`. A :class:`~genlm_core.batching.Failed` in ``out`` fails its request
+        alone."""
+        if normalised is None:
+            normalised = self.rows_normalised
+        if not isinstance(out, torch.Tensor):
+            if len(out) != len(requests):
+                raise RuntimeError(
+                    f"{type(self).__name__}.forward_batch returned {len(out)} rows for {len(requests)} requests"
+                )
+            done = [i for i, row in enumerate(out) if not isinstance(row, Failed)]
+            if len(done) < len(out):
+                rows: list[torch.Tensor | Failed] = list(out)
+                if done:
+                    finished = self.finish_rows([requests[i] for i in done], [out[i] for i in done], normalised)
+                    for i, row in zip(done, finished, strict=True):
+                        rows[i] = row
+                return rows
+        logits = out if isinstance(out, torch.Tensor) else torch.stack(list(out))  # type: ignore[arg-type]
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise RuntimeError(
                 f"{type(self).__name__}.forward_batch returned shape {tuple(logits.shape)} for {len(requests)} requests"
@@ -302,7 +353,7 @@ class AsyncLM(abc.ABC):
             memory = self.row_memory.take(len(requests), self.vocab_size, logits.device)
             logprobs = normalise(logits, self.vocab_size, self._missing_ids, out=memory)
         bad = nan_rows(logprobs)
-        rows: list[torch.Tensor | Failed] = list(logprobs)
+        rows = list(logprobs)
         if any(bad):
             for i, r in enumerate(requests):
                 if bad[i]:

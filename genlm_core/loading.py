@@ -17,26 +17,38 @@ from genlm_core.registry import BackendSpec
 log = logging.getLogger(__name__)
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 def default_backend() -> str:
-    """``vllm`` if installed and CUDA is available, else ``hf``, else the only installed backend other
-    than the built-in ``mock`` (which is never picked by default: its rows are random)."""
+    """The backend that ``load_model_by_name`` uses when none is named: of the installed backends that
+    can run here, the one with the highest default priority, which each backend declares when it
+    registers (``register.backend(..., default_priority=...)``; 0 when it declares none). A backend
+    whose priority is ``None`` (the built-in ``mock``: its rows are random) is never picked; a tie for
+    the highest priority is an error naming the tied backends, as is having no candidate at all.
+    Priorities are looked at from the highest down; a backend's ``check`` runs only when its turn comes.
+    """
     installed = get_plugins().backends()
-    if "vllm" in installed and _cuda_available():
-        return "vllm"
-    if "hf" in installed:
-        return "hf"
-    models = sorted(set(installed) - {"mock"})
-    if len(models) == 1:
-        return models[0]
+    priorities = {name: spec.priority_here() for name, spec in installed.items()}
+    cannot_run: dict[str, str] = {}
+    for priority in sorted({p for p in priorities.values() if p is not None}, reverse=True):
+        candidates = []
+        for name in sorted(n for n, p in priorities.items() if p == priority):
+            reason = installed[name].unavailable_reason()
+            if reason is None:
+                candidates.append(name)
+            else:
+                cannot_run[name] = reason
+        if len(candidates) == 1:
+            return candidates[0]
+        if candidates:
+            raise BackendNotFoundError(
+                f"no default backend: {' and '.join(map(repr, candidates))} rank equally "
+                f"(default priority {priority}); pass backend=..."
+            )
+    listing = [f"{n} (cannot run here: {cannot_run[n]})" if n in cannot_run else n for n in sorted(installed)]
+    never = sorted(n for n, p in priorities.items() if p is None)
     raise BackendNotFoundError(
-        f"no default backend: installed are [{', '.join(sorted(installed)) or 'none'}]; pass backend=... "
-        "(backend='mock' for the model-free mock) or install one, e.g. `pip install genlm-hf`"
+        f"no default backend: installed are [{', '.join(listing) or 'none'}]"
+        + (f", and {', '.join(never)} {'is' if len(never) == 1 else 'are'} never picked by default" if never else "")
+        + "; pass backend=... or install a backend plugin (`pip install genlm-<backend>`)"
     )
 
 

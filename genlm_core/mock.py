@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from genlm_core.assets import TOKENIZERS
+from genlm_core.assets import load_tokenizer as builtin_tokenizer
 from genlm_core.config import BackendOptions
 from genlm_core.hub import resolve_model
 from genlm_core.lm import AsyncLM, Request
@@ -36,8 +38,6 @@ def tokenizer_location(name: str) -> str:
     ``mistral-v1``, ... : kept as the name), or what :func:`~genlm_core.hub.resolve_model` finds
     (an offline model, the Hugging Face cache, the hub); else a one-line
     :class:`~genlm_core.errors.ModelNotFoundError`. The mock backend's ``resolve_name``."""
-    from genlm_core.testing.tokenizers import TOKENIZERS
-
     if Path(name).expanduser().exists() or name in TOKENIZERS:
         return name
     return resolve_model(name, known=TOKENIZERS)
@@ -47,12 +47,9 @@ def load_tokenizer(name: str) -> Tokenizer:
     """The tokenizer of :func:`tokenizer_location`; built-in names are built offline, once per machine."""
     from transformers import AutoTokenizer
 
-    from genlm_core.testing.tokenizers import TOKENIZERS
-    from genlm_core.testing.tokenizers import load_tokenizer as builtin
-
     location = tokenizer_location(name)
     if location in TOKENIZERS and not Path(location).exists():
-        return builtin(location)
+        return builtin_tokenizer(location)
     return AutoTokenizer.from_pretrained(location)
 
 

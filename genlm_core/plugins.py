@@ -21,7 +21,7 @@ import pluggy
 
 from genlm_core import hookspecs
 from genlm_core.errors import BackendNotFoundError, PluginError
-from genlm_core.registry import KNOWN_DISTRIBUTIONS, BackendSpec, Register, Registry, TrieEngineSpec
+from genlm_core.registry import BackendSpec, Register, Registry, TrieEngineSpec, plugin_distribution
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,8 @@ class Plugins:
 
     def _failures_note(self, name: str) -> str:
         """What failed that may explain why ``name`` is missing."""
-        hint = KNOWN_DISTRIBUTIONS.get(name, f"genlm-{name}")
-        related = [f for f in self.failures if f.plugin == name or f.distribution == hint]
+        dist = plugin_distribution(name)
+        related = [f for f in self.failures if f.plugin == name or f.distribution == dist]
         shown = related or self.failures
         if not shown:
             return ""
@@ -217,8 +217,9 @@ class Plugins:
             with self._lock:
                 if not any(f.error == error for f in self._use_failures):
                     self._fail(self._use_failures, spec.plugin, spec.distribution, error)
-            fix = f"`pip install --force-reinstall {spec.distribution}`" if spec.distribution else "reinstall it"
-            raise PluginError(f"plugin {spec.plugin!r} ({spec.distribution or '?'}): {error}; {fix}") from exc
+            raise PluginError(
+                f"plugin {spec.plugin!r} ({spec.distribution or '?'}): {error}; {spec.repair_hint()}"
+            ) from exc
 
     # Typed facade: the rest of genlm asks these, never pluggy directly.
     def backends(self) -> dict[str, BackendSpec]:

@@ -10,17 +10,21 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from genlm_core.validation import check_int
 
+V = TypeVar("V")
 
-class PrefixHit(NamedTuple):
+
+class PrefixHit(NamedTuple, Generic[V]):
+    """The longest cached prefix found: its length and its value."""
+
     length: int
-    value: Any
+    value: V
 
 
-class PrefixCache:
+class PrefixCache(Generic[V]):
     """Maps ``(namespace, tokens)`` to values; finds the longest cached prefix of a sequence.
 
     ``namespace`` separates states that must never mix (e.g. the active LoRA adapter).
@@ -49,7 +53,7 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, namespace: Hashable, tokens: tuple[int, ...], value: Any, block: Any, nbytes: int) -> None:
+    def put(self, namespace: Hashable, tokens: tuple[int, ...], value: V, block: Any, nbytes: int) -> None:
         """Cache ``value`` for ``tokens``; ``block`` is the storage it lives in (``nbytes`` large)."""
         key = (namespace, tokens)
         with self._lock:
@@ -67,7 +71,7 @@ class PrefixCache:
 
     def longest_prefix(
         self, namespace: Hashable, tokens: tuple[int, ...], max_length: int | None = None
-    ) -> PrefixHit | None:
+    ) -> PrefixHit[V] | None:
         """The cached entry for the longest prefix of ``tokens`` (at most ``max_length`` long), or None."""
         limit = len(tokens) if max_length is None else min(max_length, len(tokens))
         with self._lock:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from difflib import get_close_matches
@@ -24,12 +26,22 @@ Check = Callable[[], str | None] | str | None
 #: raises :class:`~genlm_core.errors.ModelNotFoundError`; called before the factory is imported.
 NameResolver = Callable[[str], str] | str | None
 
-#: Distributions that provide the backends this project maintains, for install hints.
-KNOWN_DISTRIBUTIONS = {
-    "hf": "genlm-hf",
-    "vllm": "genlm-vllm",
-    "mlx": "genlm-mlx",
-}
+#: How much a backend wants to be the default (:func:`~genlm_core.loading.default_backend`): an int,
+#: ``None`` (never the default), or a callable (or lazy ``"module:function"``) that says so on this
+#: machine, e.g. high only when CUDA is available.
+Priority = int | Callable[[], int | None] | str | None
+
+log = logging.getLogger(__name__)
+
+
+def plugin_distribution(name: str) -> str:
+    """The distribution that provides a component not installed, by the naming rule for genlm plugins:
+    ``genlm-<name>`` (a backend that is not installed cannot say where it comes from).
+
+    >>> plugin_distribution("vllm"), plugin_distribution("my_engine")
+    ('genlm-vllm', 'genlm-my-engine')
+    """
+    return "genlm-" + re.sub(r"[-_.]+", "-", name).lower()
 
 
 def resolve(ref: Factory) -> Callable[..., Any]:
@@ -55,6 +67,7 @@ class _Component:
     description: str = ""
     check: Check = None
     details: Check = None
+    install: str | None = None
 
     def load(self) -> Callable[..., Any]:
         """The factory, imported if it was given lazily."""
@@ -68,6 +81,13 @@ class _Component:
             return resolve(self.check)()
         except Exception as exc:  # a failing check must not break listings
             return f"availability check failed: {type(exc).__name__}: {exc}"
+
+    def repair_hint(self) -> str:
+        """What to do when this component is installed but does not import: its declared ``install``
+        command, else reinstalling the distribution that registered it."""
+        if self.install:
+            return f"install what it needs: {self.install}"
+        return f"`pip install --force-reinstall {self.distribution}`" if self.distribution else "reinstall it"
 
     def details_here(self) -> str | None:
         """What the component says it can do on this machine (e.g. execution modes), or None."""
@@ -85,10 +105,28 @@ class BackendSpec(_Component):
 
     options: type[BaseModel] = BackendOptions
     resolve_name: NameResolver = None
+    default_priority: Priority = 0
 
     def model_location(self, name: str) -> str:
         """Where model ``name`` is, by the backend's ``resolve_name`` (``name`` itself without one)."""
         return name if self.resolve_name is None else str(resolve(self.resolve_name)(name))
+
+    def priority_here(self) -> int | None:
+        """This backend's default-selection priority on this machine (``None``: never the default); a
+        priority callable that fails counts as 0, the priority of a backend that declares none."""
+        if self.default_priority is None or isinstance(self.default_priority, int):
+            return self.default_priority
+        try:
+            priority = resolve(self.default_priority)()
+        except Exception as exc:  # a failing probe must not break model loading
+            log.warning(
+                "default priority of backend %r failed (%s: %s); counted as 0", self.name, type(exc).__name__, exc
+            )
+            return 0
+        if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+            log.warning("default priority of backend %r is %r, not an int or None; counted as 0", self.name, priority)
+            return 0
+        return priority
 
 
 @dataclass(frozen=True)
@@ -130,17 +168,14 @@ class Registry:
         spec = table.get(name) or table.get(self.aliases[kind].get(name, ""))
         if spec is None:
             installed = sorted(table) or ["none"]
-            known = sorted({*table, *self.aliases[kind], *(KNOWN_DISTRIBUTIONS if kind == "backend" else ())})
-            close = get_close_matches(name, known, n=1, cutoff=0.6)
-            if close and close[0] != name:
+            close = get_close_matches(name, sorted({*table, *self.aliases[kind]}), n=1, cutoff=0.6)
+            if close:
                 raise BackendNotFoundError(
                     f"{kind} {name!r} is not installed; did you mean {close[0]!r}? available: [{', '.join(installed)}]"
                 )
-            hint = KNOWN_DISTRIBUTIONS.get(name, f"genlm-{name}")
             raise BackendNotFoundError(
                 f"{kind} {name!r} is not installed; available: [{', '.join(installed)}]. "
-                f"Install the plugin that provides it, e.g. `pip install {hint}`"
-                + ("" if name in KNOWN_DISTRIBUTIONS else " (if such a plugin exists)")
+                f"Install its plugin: `pip install {plugin_distribution(name)}` (genlm plugins are named genlm-<name>)"
             )
         return spec
 
@@ -159,6 +194,15 @@ def reference_problem(ref: Factory, what: str) -> str | None:
     except (ImportError, ValueError):
         found = False
     return None if found else f"{what} {ref!r} does not resolve: no module named {top!r}"
+
+
+def priority_problem(priority: Priority, what: str) -> str | None:
+    """Why ``priority`` is not a default-selection priority (see :data:`Priority`), or None."""
+    if priority is None or (isinstance(priority, int) and not isinstance(priority, bool)):
+        return None
+    if isinstance(priority, str) or callable(priority):
+        return reference_problem(priority, what)
+    return f"{what} must be an int, None, a callable or a 'module:function' string, got {priority!r}"
 
 
 class Register:
@@ -191,32 +235,38 @@ class Register:
         check: Check = None,
         details: Check = None,
         resolve_name: NameResolver = None,
+        default_priority: Priority = 0,
+        install: str | None = None,
     ) -> None:
         """Provide a backend. ``factory(model, options)`` returns an AsyncLM; ``options`` is the
         pydantic model that validates its options (use ``extra="forbid"``). ``check()`` says why it
         cannot run here (or None); ``details()`` says what it can do here, for ``genlm backends``.
         ``resolve_name(model)`` says where the model is, or raises
         :class:`~genlm_core.errors.ModelNotFoundError`, before the factory's heavy imports
-        (``"genlm_core.hub:resolve_model"`` for Hugging Face names)."""
+        (``"genlm_core.hub:resolve_model"`` for Hugging Face names). ``default_priority`` ranks it for
+        :func:`~genlm_core.loading.default_backend` (see :data:`Priority`); ``install`` is the command
+        that installs what it needs, shown in errors (default: ``pip install <its distribution>``)."""
         if not (isinstance(options, type) and issubclass(options, BaseModel)):
             raise TypeError(f"backend {name!r}: options must be a pydantic model class, got {options!r}")
-        resolver_problem = (
-            None if resolve_name is None else reference_problem(resolve_name, f"backend {name!r}: resolve_name")
-        )
-        if resolver_problem is not None:
-            self.problems.append(resolver_problem)
-        elif self._valid("backend", name, factory):
+        problems = [
+            None if resolve_name is None else reference_problem(resolve_name, f"backend {name!r}: resolve_name"),
+            priority_problem(default_priority, f"backend {name!r}: default_priority"),
+        ]
+        self.problems += [p for p in problems if p is not None]
+        if not any(problems) and self._valid("backend", name, factory):
             spec = BackendSpec(
                 name,
                 factory,
                 self.plugin,
                 self.distribution,
-                tuple(aliases),
-                description,
-                check,
-                details,
-                options,
-                resolve_name,
+                aliases=tuple(aliases),
+                description=description,
+                check=check,
+                details=details,
+                install=install,
+                options=options,
+                resolve_name=resolve_name,
+                default_priority=default_priority,
             )
             self._registry.add("backend", spec)
 
@@ -228,8 +278,18 @@ class Register:
         aliases: tuple[str, ...] = (),
         description: str = "",
         check: Check = None,
+        install: str | None = None,
     ) -> None:
-        """Provide a trie engine; ``factory(vocab, **kwargs)`` builds it."""
+        """Provide a trie engine; ``factory(vocab, **kwargs)`` builds it (``install`` as for backends)."""
         if self._valid("trie engine", name, factory):
-            spec = TrieEngineSpec(name, factory, self.plugin, self.distribution, tuple(aliases), description, check)
+            spec = TrieEngineSpec(
+                name,
+                factory,
+                self.plugin,
+                self.distribution,
+                aliases=tuple(aliases),
+                description=description,
+                check=check,
+                install=install,
+            )
             self._registry.add("trie engine", spec)

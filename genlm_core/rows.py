@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
+from genlm_core.batching import Failed
+
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+#: What :meth:`~genlm_core.lm.AsyncLM.forward_batch` returns: one block of rows, or one row (or a
+#: :class:`~genlm_core.batching.Failed`) per request.
+RowsOut = torch.Tensor | Sequence[torch.Tensor | Failed]
 
 
 def storage_users(tensor: torch.Tensor) -> int | None:

@@ -8,7 +8,6 @@ pruned). Every model call and trie sum of one step is issued concurrently, so th
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import math
 import warnings
@@ -25,7 +24,7 @@ from genlm_core.lm import AsyncLM
 from genlm_core.validation import as_bytes, check_bool, check_int, check_real, check_seed, is_int
 
 from .heal import TokenHealer
-from .lm_state import StatefulTokenizedLM
+from .prefetch import prefetch
 from .probs import EOS, EOT, LazyByteProbs, check_symbol, logsumexp
 from .trie import AsyncTokenByteTrie, Masses, TrieMode
 from .trie_state import LazyTrieState
@@ -137,7 +136,7 @@ class ByteBeamState:
         self.states = sorted(states, key=lambda s: -s.weight)
         self.params = params
         self.trie = trie if trie is not None else (states[0].trie if states else None)
-        self._masses_seen: dict[tuple[int, ...], Masses] = {}  # by context, from _prefetch
+        self._masses_seen: dict[tuple[int, ...], Masses] = {}  # by context, from prefill's prefetch
 
     def _ensure_open(self) -> None:
         if self.trie is not None and self.trie.closed:
@@ -192,7 +191,7 @@ class ByteBeamState:
             log_z = float(np.logaddexp(log_z, logsumexp([e.weight for e in extensions])))
         self._ensure_open()
         keep = [e for e in extensions if e.weight - log_z > self.params.log_prune_threshold]
-        if self._masses_seen:  # computed by _prefetch from the same rows
+        if self._masses_seen:  # computed by the prefetch from the same rows
             for e in keep:
                 if e.masses is None:
                     e.masses = self._masses_seen.get(tuple(e.lm_state.context))
@@ -251,8 +250,8 @@ class ByteBeamState:
         The text is known in advance, so whenever a byte needs model calls, the contexts the next
         ``lookahead - 1`` bytes could still need are requested in the same batch (found from the trie
         and the rows at hand, leaving out hypotheses that are surely pruned by then; see
-        :meth:`_prefetch`), up to :data:`PREFETCH_BUDGET` new contexts. Results are the same rows;
-        the model runs less often, on more tokens. Default: 6 on a backend that runs shared tokens
+        :mod:`genlm_core.bytes.prefetch`), up to :data:`PREFETCH_BUDGET` new contexts. Results are the
+        same rows; the model runs less often, on more tokens. Default: 6 on a backend that runs shared tokens
         once (``packs_shared_tokens``, genlm-hf), else 2 (the fastest on SmolLM2 on CPU: see
         ``benchmarks/bench_bytes.py``). A ``str`` is read as its UTF-8 bytes.
         """
@@ -265,88 +264,15 @@ class ByteBeamState:
         beam = await self.with_mode(TrieMode.WITHOUT_EOS)._materialized()
         for i, b in enumerate(data):
             beam = beam.prune()
-            prefetch = beam._prefetch(data[i : i + lookahead], PREFETCH_BUDGET) if lookahead > 1 else []
+            requests: list[asyncio.Future[Any]] = []
+            if lookahead > 1:
+                requests, beam._masses_seen = prefetch(
+                    beam.states, beam.params.K, data[i : i + lookahead], PREFETCH_BUDGET
+                )
             beam = await (beam << b)
-            for task in prefetch:
-                await task
+            for request in requests:
+                await request
         return await beam.with_mode(TrieMode.WITH_EOS)._materialized()
-
-    def _prefetch(self, upcoming: bytes, budget: int | None = None) -> list[asyncio.Future[Any]]:
-        """Start model calls for every context the beam could still ask for while consuming
-        ``upcoming``, if the first byte needs a model call anyway (else an earlier prefetch covered it).
-
-        The beam's future is simulated with bounds: a hypothesis whose context has a row (computed or
-        cached) has an exact weight; one without has its weight when it was made as an upper bound
-        (weights only fall). At each byte, hypotheses whose bound is below the ``K``-th exact weight of
-        hypotheses that surely exist are surely pruned, and their continuations are not requested.
-        Stops after the byte at which more than ``budget`` new contexts are wanted. The masses it
-        computes stay on this beam, for :meth:`extend` to reuse."""
-        if not self.states:
-            return []
-        first = self.states[0]
-        trie, lm, mode, K = first.trie.trie, first.lm_state.model, first.mode, self.params.K
-        masses_of: dict[tuple[int, ...], Masses | None] = {}
-
-        def known(key: tuple[int, ...]) -> Masses | None:
-            if key not in masses_of:
-                row = lm.cache.get(lm.request(key))
-                masses_of[key] = None if row is None else trie.masses(row, mode, log=True)
-            return masses_of[key]
-
-        # (lm_state, node, weight, masses or None, surely exists); weight is exact when masses are known
-        Hypothesis = tuple[StatefulTokenizedLM, int, float, Masses | None, bool]
-        frontier: list[Hypothesis] = [(s.lm_state, s.node, s.weight, s.masses, True) for s in self.states]
-        contexts: dict[tuple[int, ...], None] = {}
-        new = 0
-        ranks: list[float] = []
-        for depth, b in enumerate(upcoming):
-            if depth:
-                sure = sorted((w for _, _, w, m, e in frontier if e), reverse=True)
-                if len(sure) >= K:
-                    frontier = [f for f in frontier if f[2] >= sure[K - 1]]
-                ranks = sorted(-f[2] for f in frontier)  # negated weights, ascending
-            root_child = trie.children(trie.root).get(b)
-            following: list[Hypothesis] = []
-            for lm_state, node, weight, mass, exists in frontier:
-                # surely in the pruned beam: fewer than K others can weigh as much
-                kept = exists and (depth == 0 or bisect.bisect_right(ranks, -weight) <= K)
-                child = trie.children(node).get(b)
-                if child is not None:
-                    if mass is None:
-                        following.append((lm_state, child, weight, None, False))
-                    elif mass[child] > 0.0:
-                        w = weight + math.log(mass[child]) - math.log(mass[node])
-                        following.append((lm_state, child, w, mass, kept))
-                for leaf, token_id in trie.eot_edges(node):
-                    if mass is not None:
-                        if mass[leaf] <= 0.0:
-                            continue
-                        made = weight + math.log(mass[leaf]) - math.log(mass[node])
-                    else:
-                        made = weight
-                    committed = lm_state << token_id
-                    key = tuple(committed.context)
-                    if key not in contexts:
-                        contexts[key] = None
-                        if known(key) is None:
-                            new += 1
-                    if root_child is None:
-                        continue
-                    cm = known(key)
-                    if cm is None:
-                        following.append((committed, root_child, made, None, False))
-                    elif cm[root_child] > 0.0:
-                        w = made + math.log(cm[root_child]) - math.log(cm[trie.root])
-                        following.append((committed, root_child, w, cm, kept))
-            frontier = following
-            if depth == 0 and new == 0:
-                break
-            if budget is not None and new > budget:
-                break
-        self._masses_seen = {key: m for key, m in masses_of.items() if m is not None}
-        if new == 0:
-            return []
-        return [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts if known(c) is None]
 
     async def greedy(self, context: bytes, steps: int) -> bytes:
         """``context`` (bytes, or a str read as UTF-8) followed by up to ``steps`` most probable bytes

@@ -18,11 +18,9 @@ import numba
 import numpy as np
 import torch
 
-from genlm_core.batching import AutoBatcher, ContentKey
-from genlm_core.closing import CLOSED, Closed
 from genlm_core.plugins import get_plugins
-from genlm_core.trie.async_trie import stack_rows
 from genlm_core.trie.base import TrieBase
+from genlm_core.trie.batched import BatchedTrie
 from genlm_core.trie.index import END
 from genlm_core.validation import as_bytes, check_batcher_numbers, check_int, check_token_id_set, check_vocabulary
 
@@ -320,17 +318,17 @@ class TokenByteTrie:
         return out
 
 
-class AsyncTokenByteTrie:
+class AsyncTokenByteTrie(BatchedTrie):
     """Concurrent ``await trie.weight_sum(probs, mode)`` calls, batched by the core AutoBatcher."""
+
+    ops = (*TrieMode, "max")
 
     def __init__(self, trie: TokenByteTrie, batch_size: int = 128, timeout: float = 0.0):
         if not isinstance(trie, TokenByteTrie):
             raise TypeError(f"trie must be a TokenByteTrie, got {type(trie).__name__}")
         self.trie = trie
         # timeout 0: the requests of one beam step are all issued before the event loop turns
-        self.batcher: AutoBatcher[tuple[TrieMode | None, Any], np.ndarray] = AutoBatcher(
-            self._process, batch_size=batch_size, timeout=timeout, run_in_thread=True, name="byte-trie"
-        )
+        super().__init__(trie.trie, batch_size, timeout, name="byte-trie")
 
     @classmethod
     def from_vocab(
@@ -340,52 +338,24 @@ class AsyncTokenByteTrie:
         check_batcher_numbers(batch_size, timeout)  # before the (slower) build
         return cls(TokenByteTrie(vocab, **trie_kwargs), batch_size=batch_size, timeout=timeout)
 
-    def _process(self, items: list[tuple[TrieMode | None, np.ndarray]]) -> list[np.ndarray]:
-        results: list[Any] = [None] * len(items)
-        for mode in (*TrieMode, None):  # None: weight_max
-            picked = [i for i, (m, _) in enumerate(items) if m is mode]
-            if picked:
-                rows = stack_rows([items[i][1] for i in picked])
-                values = self.trie._masses(rows, mode) if mode is not None else self.trie.batch_weight_max(rows)
-                for j, i in enumerate(picked):
-                    results[i] = values[j]
-        return results
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`cleanup` has been called."""
-        return self.batcher.closed
+    def _compute(self, op: Any, rows: np.ndarray | torch.Tensor) -> np.ndarray:
+        return self.trie._masses(rows, op) if isinstance(op, TrieMode) else self.trie.batch_weight_max(rows)
 
     async def weight_sum(self, ws: Any, mode: TrieMode | None = None) -> np.ndarray:
         """:meth:`TokenByteTrie.weight_sum` of one probability vector, batched with concurrent calls.
 
         ``ws`` is checked and copied when submitted: a bad vector fails alone, at once, and later changes
         to the caller's array do not change the result."""
-        self.batcher.ensure_open()  # a closed trie says so before it looks at the weights
-        checked = check_mode(mode)
-        row = self.trie.trie.check_weights(ws, single=True, copy=True)[0]
-        return await self.batcher.submit(ContentKey(checked, row), (checked, row))
+        self.batcher.ensure_open()  # a closed trie says so before it looks at the mode
+        return await self._submit(check_mode(mode), ws)
 
     async def weight_max(self, ws: Any) -> np.ndarray:
         """:meth:`TokenByteTrie.weight_max` of one weight vector, batched with concurrent calls."""
-        self.batcher.ensure_open()
-        row = self.trie.trie.check_weights(ws, allow_neg_inf=True, single=True, copy=True)[0]
-        return await self.batcher.submit(ContentKey("max", row), (None, row))
-
-    def close(self) -> None:
-        """Stop the worker thread; later calls raise ClosedError. Calling it again is harmless."""
-        self.batcher.close()
-
-    shutdown = close
+        return await self._submit("max", ws, allow_neg_inf=True)
 
     def release(self) -> None:
         """Stop the worker thread but stay usable: the next call starts a new one (genlm-bytes' cleanup)."""
         self.batcher.release()
-
-    def cleanup(self) -> Closed:
-        """:meth:`close`; the result may be awaited, as genlm-bytes' ``await trie.cleanup()``."""
-        self.close()
-        return CLOSED
 
 
 __all__ = ["EOS", "EOT", "AsyncTokenByteTrie", "TokenByteTrie", "TrieMode"]

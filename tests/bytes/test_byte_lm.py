@@ -24,7 +24,7 @@ from genlm_core.bytes import (
 from genlm_core.mock import MockAsyncLM
 from genlm_core.testing.tokenizers import toy_tokenizer
 
-from .exact import Enumerator
+from .exact import Enumerator, lattice
 
 
 def wide(lm):
@@ -87,24 +87,6 @@ def test_prefill_lookahead_is_the_same_beam_and_packed_rows_run_shared_tokens_on
     asyncio.run(main())
 
 
-def lattice(beam, upcoming):
-    """Every context a beam could ask for while consuming ``upcoming``, pruning aside (brute force)."""
-    trie = beam.states[0].trie.trie
-    frontier, out = [(s.lm_state, s.node) for s in beam.states], set()
-    for b in upcoming:
-        following = []
-        for lm_state, node in frontier:
-            if (child := trie.children(node).get(b)) is not None:
-                following.append((lm_state, child))
-            for _, token_id in trie.eot_edges(node):
-                committed = lm_state << token_id
-                out.add(tuple(committed.context))
-                if (child := trie.children(trie.root).get(b)) is not None:
-                    following.append((committed, child))
-        frontier = following
-    return out
-
-
 def test_prefill_speculates_only_what_the_beam_could_still_need(mock_lm, monkeypatch):
     """Each speculative batch of a prefill is inside the lattice of the coming bytes (everything
     the beam could ask for, pruning aside) and smaller than it: hypotheses surely pruned by then
@@ -114,19 +96,19 @@ def test_prefill_speculates_only_what_the_beam_could_still_need(mock_lm, monkeyp
     monkeypatch.setattr(beam_module, "PREFETCH_BUDGET", None)
     text, lookahead = b"the abc the ab cab", 4
     own, seen, rounds = mock_lm.next_token_logprobs, set(), []
-    prefetch = beam_module.ByteBeamState._prefetch
+    prefetch = beam_module.prefetch
 
     def ask(context):
         seen.add(tuple(context))
         return own(context)
 
-    def spied(beam, upcoming, budget=None):
-        uncached = {c for c in lattice(beam, upcoming) if mock_lm.cache.get(mock_lm.request(c)) is None}
+    def spied(states, K, upcoming, budget=None):
+        uncached = {c for c in lattice(states, upcoming) if mock_lm.cached_logprobs(c) is None}
         before = set(seen)
-        futures = prefetch(beam, upcoming, budget)
-        if futures:
+        started = prefetch(states, K, upcoming, budget)
+        if started.requests:
             rounds.append((seen - before, uncached))
-        return futures
+        return started
 
     async def prefill(lookahead):
         mock_lm.clear_cache()
@@ -135,7 +117,7 @@ def test_prefill_speculates_only_what_the_beam_could_still_need(mock_lm, monkeyp
 
     async def main():
         z1 = await prefill(1)
-        monkeypatch.setattr(beam_module.ByteBeamState, "_prefetch", spied)
+        monkeypatch.setattr(beam_module, "prefetch", spied)
         mock_lm.next_token_logprobs = ask
         try:
             z = await prefill(lookahead)

@@ -205,3 +205,67 @@ def test_a_dropped_wrapper_frees_its_model():
     del lm, wrapped
     gc.collect()
     assert alive() is None
+
+
+#: The genlm-backend class each of genlm's backends stands in for; every other backend gets the base class.
+SEED_CLASS_OF = {
+    "hf": "genlm.backend.llm.hf:AsyncTransformer",
+    "vllm": "genlm.backend.llm.vllm:AsyncVirtualLM",
+    "mock": "genlm.backend.llm.base:MockAsyncLM",
+    "mlx": "genlm.backend.llm.mlx:AsyncMlxLM",
+}
+
+
+def named(ref):
+    module, _, name = ref.partition(":")
+    return getattr(__import__(module, fromlist=[name]), name)
+
+
+INSTALLED = sorted(__import__("genlm_core").get_plugins().backends())
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_every_installed_backend_is_recognised_and_wrapped(backend):
+    """The backend a model's class belongs to comes from the registry (llamacpp and third-party backends
+    included), and its wrapper subclasses genlm-backend's class for it, or genlm-backend's base."""
+    from genlm_compat.lm import backend_of, wrapper_class
+
+    from genlm_core import get_plugins
+    from genlm_core.registry import resolve
+
+    factory = get_plugins().backend(backend).factory
+    cls = resolve(factory.rpartition(".")[0]) if isinstance(factory, str) else factory.__self__
+    assert isinstance(cls, type), f"{backend}'s factory {factory!r} is not a method of its model class"
+    assert backend_of(cls) == backend
+    assert backend_of(type("UserSubclass", (cls,), {})) == backend  # a user's subclass keeps its backend
+    wrapper = wrapper_class(backend)
+    assert issubclass(wrapper, genlm_compat.CompatLM)
+    assert issubclass(wrapper, named(SEED_CLASS_OF.get(backend, "genlm.backend.llm.base:AsyncLM")))
+
+
+def test_a_third_party_backend_is_wrapped_with_the_base_class(toy_tok):
+    from genlm.backend.llm.base import AsyncLM as SeedAsyncLM
+
+    from genlm_core import AsyncLM, BackendOptions, hookimpl
+    from genlm_core.testing import registered
+
+    class ThirdPartyLM(AsyncLM):
+        @classmethod
+        def from_options(cls, model, options):
+            return cls(toy_tok, options)
+
+        def forward_batch(self, requests):
+            return torch.zeros(len(requests), self.vocab_size)
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("thirdparty", ThirdPartyLM.from_options, options=BackendOptions)
+
+    with registered(Plugin()):
+        lm = load_model_by_name("anything", backend="thirdparty")
+        wrapped = genlm_compat.wrap(lm)
+        assert genlm_compat.lm.backend_of(lm) == "thirdparty"
+        assert isinstance(wrapped, SeedAsyncLM) and not isinstance(wrapped, (SeedMock, SeedTransformer))
+        assert wrapped.next_token_logprobs_sync([1]).exp().sum().item() == pytest.approx(1.0)
+        lm.cleanup()

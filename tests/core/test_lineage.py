@@ -18,26 +18,15 @@ def test_each_live_context_is_continued_once_by_exact_tokens_and_adapter():
     ]
     plan, released = live.plan(requests)
     assert plan == [Continuation("a", (4,)), Continuation("a", (5,), fork=True), Continuation("b", (4, 6)), None, None]
-    assert released == ["c"] and len(live) == 0
+    assert released == [] and live.contexts() == [Request((7, 8))]  # "c" was not continued: it stays live
     assert nearest_prefix({Request((1, 2)): "x"}.get, Request((1, 2, 3, 4)), lookback=1) is None
     assert nearest_prefix({Request((1, 2)): "x"}.get, Request((1, 2, 3, 4)), lookback=2) == (2, "x")
     assert nearest_prefix({Request((1,)): "x"}.get, Request((1,)), lookback=5) == (0, "x")
     assert nearest_prefix({Request((1, 2), "a"): "x"}.get, Request((1, 2, 3)), lookback=2) is None  # adapter
 
 
-def test_a_live_context_lasts_one_batch():
-    live: LiveContexts[str] = LiveContexts()
-    live.keep(Request((1, 2)), "a")
-    plan, released = live.plan([Request((9,))])
-    assert plan == [None] and released == ["a"]
-    plan, released = live.plan([Request((1, 2, 3))])  # "a" was released: no continuation
-    assert plan == [None] and released == []
-    live.keep(Request((1, 2)), "b")
-    assert live.release_all() == ["b"] and len(live) == 0
-
-
 def test_unclaimed_contexts_stay_live_until_evicted_oldest_first():
-    live: LiveContexts[str] = LiveContexts(keep_unclaimed=True)
+    live: LiveContexts[str] = LiveContexts()
     live.keep(Request((1, 2)), "a")
     live.keep(Request((5, 6)), "b")
     live.keep(Request((8,)), "c")
@@ -53,7 +42,7 @@ def test_unclaimed_contexts_stay_live_until_evicted_oldest_first():
 
 
 def test_unclaimed_contexts_are_released_after_max_idle_batches():
-    live: LiveContexts[str] = LiveContexts(keep_unclaimed=True, max_idle_batches=2)
+    live: LiveContexts[str] = LiveContexts(max_idle_batches=2)
     live.keep(Request((1, 2)), "a")
     live.keep(Request((5, 6)), "b")
     assert live.plan([Request((9,))]) == ([None], [])  # idle for one batch: both stay

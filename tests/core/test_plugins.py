@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+from importlib.machinery import ModuleSpec
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -15,11 +16,13 @@ from genlm_core import (
     OptionsError,
     PluginConflictError,
     PluginError,
+    default_backend,
     get_plugins,
     hookimpl,
     load_model,
     load_model_by_name,
 )
+from genlm_core.mock import MockAsyncLM, MockOptions
 from genlm_core.plugins import Plugins, reset_plugins
 from genlm_core.testing import registered
 
@@ -126,8 +129,10 @@ def test_unknown_backend_lists_installed_and_pip_command(fresh_plugins, monkeypa
             BackendNotFoundError, match=r"'vllm' is not installed; available: \[.*bigram.*\].*pip install genlm-vllm"
         ):
             load_model_by_name("m", backend="vllm")
-        with pytest.raises(BackendNotFoundError, match=r"pip install genlm-nosuch` \(if such a plugin exists\)"):
+        with pytest.raises(BackendNotFoundError, match=r"pip install genlm-nosuch` \(genlm plugins are named"):
             load_model_by_name("m", backend="nosuch")
+        with pytest.raises(BackendNotFoundError, match=r"pip install genlm-my-engine`"):
+            load_model_by_name("m", backend="My_Engine")  # the distribution name, normalised as pip does
 
 
 def test_misspelled_and_mistyped_options_name_option_and_backend(fresh_plugins, toy_tok):
@@ -144,28 +149,126 @@ def test_duplicate_names_name_both_plugins(fresh_plugins, toy_tok):
             load_model_by_name("m", backend="bigram")
 
 
-def test_default_backend(fresh_plugins, toy_tok, monkeypatch):
-    with registered(ThirdPartyPlugin(toy_tok, name="only")):
-        monkeypatch.setenv("GENLM_PLUGINS", "")
-        reset_plugins()
-        with registered(ThirdPartyPlugin(toy_tok, name="only")):
-            assert isinstance(load_model_by_name("m"), BigramLM)  # the only one installed
-            with registered(ThirdPartyPlugin(toy_tok, name="hf")):
-                from genlm_core import default_backend
+class Ranked:
+    """A fake backend plugin that declares its default priority (and, optionally, a check); it loads
+    the mock and records that it was the one loaded."""
 
-                assert default_backend() == "hf"
-                with registered(ThirdPartyPlugin(toy_tok, name="vllm")):
-                    monkeypatch.setattr("genlm_core.loading._cuda_available", lambda: False)
-                    assert default_backend() == "hf"
-                    monkeypatch.setattr("genlm_core.loading._cuda_available", lambda: True)
-                    assert default_backend() == "vllm"
-            with registered(ThirdPartyPlugin(toy_tok, name="other")):
-                with pytest.raises(BackendNotFoundError, match="no default backend"):
-                    default_backend()
+    def __init__(self, name, priority, check=None):
+        self.name, self.priority, self.check = name, priority, check
+        self.loaded = []
+
+    @hookimpl
+    def register_backends(self, register):
+        register.backend(self.name, self.load, options=MockOptions, default_priority=self.priority, check=self.check)
+
+    def load(self, model, options):
+        self.loaded.append(model)
+        return MockAsyncLM.from_options(model, options)
+
+
+@pytest.fixture
+def only_fakes(fresh_plugins, monkeypatch):
+    """No installed plugin: only the built-in mock and what the test registers."""
     monkeypatch.setenv("GENLM_PLUGINS", "")
-    reset_plugins()
-    with pytest.raises(BackendNotFoundError, match=r"installed are \[mock\]; pass backend=\.\.\. \(backend='mock'"):
-        default_backend()  # the model-free mock is never picked for a model name by default
+    return reset_plugins()
+
+
+def test_default_backend_is_the_highest_priority_that_can_run(only_fakes):
+    gpu = {"on": False}
+    low, on_gpu = Ranked("low", 5), Ranked("gpu", lambda: 20 if gpu["on"] else 0)
+    with registered(low), registered(on_gpu):
+        assert default_backend() == "low"  # 5 beats the gpu backend's 0 without a GPU
+        gpu["on"] = True
+        assert default_backend() == "gpu"  # the condition is evaluated when a default is asked for
+        with registered(Ranked("top", 30, check=lambda: "needs a TPU")):
+            assert default_backend() == "gpu"  # the best cannot run here: the next one is picked
+            load_model_by_name("gpt2").cleanup()  # and load_model_by_name uses it
+        assert on_gpu.loaded == ["gpt2"] and low.loaded == []
+
+
+def test_default_backend_ties_and_no_candidate_are_errors_naming_them(only_fakes):
+    with pytest.raises(BackendNotFoundError, match=r"installed are \[mock\], and mock is never picked by default"):
+        default_backend()  # the model-free mock declares None
+    with registered(Ranked("b", 0)), registered(Ranked("a", 0)):
+        with pytest.raises(BackendNotFoundError, match=r"'a' and 'b' rank equally \(default priority 0\)"):
+            default_backend()
+        with registered(Ranked("c", 1, check=lambda: "no engine")):  # cannot run: the tie below stands
+            with pytest.raises(BackendNotFoundError, match="'a' and 'b' rank equally"):
+                default_backend()
+    with registered(Ranked("broken", 9, check=lambda: "no engine")):
+        with pytest.raises(BackendNotFoundError, match=r"\[broken \(cannot run here: no engine\), mock\]"):
+            default_backend()
+
+
+def test_a_priority_can_be_lazy_and_a_failing_one_counts_as_zero(only_fakes, monkeypatch):
+    probe = fake_module("fake_genlm_probe", ten=lambda: 10, boom=lambda: 1 / 0, text=lambda: "high")
+    probe.__spec__ = ModuleSpec("fake_genlm_probe", None)  # findable, as an installed module is
+    monkeypatch.setitem(sys.modules, "fake_genlm_probe", probe)
+    with registered(Ranked("lazy", "fake_genlm_probe:ten")), registered(Ranked("zero", 0)):
+        assert default_backend() == "lazy"
+    with registered(Ranked("boom", "fake_genlm_probe:boom")), registered(Ranked("one", 1)):
+        assert default_backend() == "one"
+        assert get_plugins().backend("boom").priority_here() == 0
+    with registered(Ranked("text", "fake_genlm_probe:text")):
+        assert get_plugins().backend("text").priority_here() == 0  # not an int: counted as 0
+
+
+@pytest.mark.parametrize("priority", [True, 1.5, "no colon", "genlm_no_such_module:f"])
+def test_a_bad_priority_is_a_failure_of_its_plugin(only_fakes, priority):
+    with registered(Ranked("bad", priority), "bad-plugin"):
+        assert "bad" not in get_plugins().backends()
+        (failure,) = get_plugins().failures
+        assert failure.plugin == "bad-plugin" and "default_priority" in failure.error
+
+
+def test_a_declared_install_command_is_the_repair_hint(only_fakes):
+    class Missing:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("missing", "genlm_core.mock:NoSuchClass", install="pip install 'genlm-missing[gpu]'")
+
+    with registered(Missing()):
+        with pytest.raises(PluginError, match=r"install what it needs: pip install 'genlm-missing\[gpu\]'$"):
+            load_model_by_name("gpt2", backend="missing")
+
+
+def today_rule(installed, cuda):
+    """The selection rule core hard-coded before backends declared priorities: the reference."""
+    if "vllm" in installed and cuda:
+        return "vllm"
+    if "hf" in installed:
+        return "hf"
+    models = sorted(set(installed) - {"mock"})
+    return models[0] if len(models) == 1 else None
+
+
+REAL_PLUGINS = ["hf", "vllm", "mlx", "llamacpp", "example"]
+
+
+def test_the_real_plugins_declarations_keep_the_selection_order(fresh_plugins, monkeypatch):
+    import itertools
+
+    import torch
+
+    installed = reset_plugins().backends()
+    present = [name for name in REAL_PLUGINS if name in installed and installed[name].unavailable_reason() is None]
+    if not {"hf", "vllm"} <= set(present):
+        pytest.skip("needs genlm-hf and genlm-vllm installed and runnable")
+    checked = 0
+    for cuda in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        for size in range(len(present) + 1):
+            for subset in itertools.combinations(present, size):
+                monkeypatch.setenv("GENLM_PLUGINS", ",".join(subset))
+                reset_plugins()
+                expected = today_rule([*subset, "mock"], cuda)
+                if expected is None:
+                    with pytest.raises(BackendNotFoundError, match="no default backend"):
+                        default_backend()
+                else:
+                    assert default_backend() == expected, (subset, cuda)
+                checked += 1
+    assert checked == 2 ** (len(present) + 1)
 
 
 def test_load_model_from_config_dict_and_files(fresh_plugins, toy_tok, tmp_path):

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genlm_core import Token, decode_vocab
+from genlm_core.bytes import AsyncTokenByteTrie, TrieMode
 from genlm_core.plugins import get_plugins
 from genlm_core.trie import END, AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 
@@ -210,6 +211,29 @@ async def test_async_trie_same_vector_computed_once():
     a, b = await asyncio.gather(trie.weight_sum(w), trie.weight_sum(w))
     assert a is b and trie.batcher.stats.items == 1
     trie.cleanup()
+
+
+async def test_both_async_tries_keep_each_operation_on_one_vector_apart_in_one_batch():
+    """Every operation on the same vector, submitted together: one batch, and each result is its own
+    operation's (against brute force, and the byte trie's unbatched methods)."""
+    vocab = [b"a", b"ab", b"b", b"ba", b"bb"]
+    w = np.random.default_rng(2).random(5)
+    char = AsyncTokenCharacterTrie.from_vocab(vocab, batch_size=8, timeout=0.005)
+    sums, maxs = await asyncio.gather(char.weight_sum(w), char.weight_max(w))
+    np.testing.assert_allclose(sums, brute_force(char.trie, w, "sum"), rtol=1e-12)
+    np.testing.assert_allclose(maxs, brute_force(char.trie, w, "max"), rtol=1e-12)
+    assert (char.batcher.stats.batches, char.batcher.stats.items) == (1, 2)
+    char.cleanup()
+    byte = AsyncTokenByteTrie.from_vocab(vocab, eos_byte_strings=[b"b"], batch_size=8, timeout=0.005)
+    without, with_eos, maxs = await asyncio.gather(
+        byte.weight_sum(w), byte.weight_sum(w, TrieMode.WITH_EOS), byte.weight_max(w)
+    )
+    np.testing.assert_allclose(without, byte.trie.weight_sum(w), rtol=1e-12)
+    np.testing.assert_allclose(with_eos, byte.trie.weight_sum(w, TrieMode.WITH_EOS), rtol=1e-12)
+    np.testing.assert_allclose(maxs, byte.trie.weight_max(w), rtol=1e-12)
+    assert with_eos[byte.trie.eos_node] == pytest.approx(w[2]) and without[byte.trie.eos_node] == 0
+    assert (byte.batcher.stats.batches, byte.batcher.stats.items) == (1, 3)
+    byte.cleanup()
 
 
 def test_output_buffers_are_reused_only_when_no_result_views_them():

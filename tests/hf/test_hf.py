@@ -131,8 +131,31 @@ def test_holes_left_by_ragged_batches_are_squeezed_out(tiny, monkeypatch):
         a, b = (a + three, b + one) if step % 2 else (a + one, b + three)
         rows = gather(lm, [a, b])
         assert max_error(rows, [a, b], ref) <= TOL
-    block, _ = lm.kv.longest_prefix(None, tuple(a), len(a)).value
+    block = lm.kv.longest_prefix(None, tuple(a), len(a)).value.block
     assert len(a) == len(b) == 83 and block.length <= 1.4 * 83
+
+
+def test_a_padded_batch_gathers_rows_of_several_blocks_beside_fresh_rows(tiny, monkeypatch):
+    """Particles of two programs, stored by two batches, and a fresh context in one padded batch: each
+    block's rows are gathered into their places in one past, the fresh row's past is zeros, all masked.
+    (Merging the rows' pasts into one row is turned off here.)"""
+    import genlm_core.kv_reuse
+
+    monkeypatch.setattr(genlm_core.kv_reuse, "plan_merged", lambda rows, outputs=None: None)
+    path, ref = tiny
+    lm = make(path)
+    p, q = list(range(100, 160)), list(range(300, 340))
+    gather(lm, [p + [1], p + [2]])
+    gather(lm, [q + [1], q + [2], q + [3]])  # another batch, another block
+    plans = []
+    forward_new = lm.forward_new
+    lm.forward_new = lambda plan: plans.append(plan) or forward_new(plan)
+    contexts = [q + [3, 5], p + [1, 5], [7, 8, 9], q + [1, 5], p + [2, 5]]
+    before = lm.tokens_computed
+    assert max_error(gather(lm, contexts), contexts, ref) <= TOL
+    assert lm.tokens_computed - before == 7 and len(plans) == 1
+    parts = plans[0].past.gather.parts  # each program's prompt ran once, in a packed row
+    assert [(part.rows.tolist(), part.into.tolist()) for part in parts] == [([0, 0], [0, 3]), ([0, 0], [1, 4])]
 
 
 @pytest.mark.parametrize("plain_head", [True, False])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import random
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch
 from genlm_core import OptionsError, load_model_by_name
 from genlm_core.errors import ModelNotFoundError
 from genlm_core.testing import check_lm_contract
+from genlm_core.testing.live import particle_program
 from genlm_core.tokenization import decode_vocabulary
 from genlm_llamacpp import LlamaCppLM
 from genlm_llamacpp.engine import EngineConfig, LlamaEngine, repack_weights
@@ -94,40 +94,6 @@ def test_rows_equal_genlm_hf_on_the_same_weights(tiny):
     ref.cleanup()
 
 
-async def particle_program(
-    lm, vocab: int, particles: int, steps: int, seed: int
-) -> dict[tuple[int, ...], torch.Tensor]:
-    """Particles extend their contexts by sampled tokens; every few steps they resample (siblings fork),
-    some go back to an older context, and some requests are cancelled mid-flight. Returns every row served."""
-    rng = random.Random(seed)
-    contexts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(particles)]
-    served: dict[tuple[int, ...], torch.Tensor] = {}
-    for step in range(steps):
-        tasks = [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in contexts]
-        cancelled = set(rng.sample(range(particles), 2)) if step % 7 == 3 else set()
-        await asyncio.sleep(0)
-        for i in cancelled:
-            tasks[i].cancel()
-        rows = await asyncio.gather(*tasks, return_exceptions=True)
-        for i, (c, row) in enumerate(zip(contexts, rows)):
-            if i in cancelled and isinstance(row, asyncio.CancelledError):
-                continue  # asks again next step
-            served[tuple(c)] = row
-            c.append(
-                int(
-                    torch.multinomial(
-                        row.exp().double(), 1, generator=torch.Generator().manual_seed(seed + step * 97 + i)
-                    )
-                )
-            )
-        if step % 5 == 4:  # resample: siblings share a parent
-            contexts = [list(contexts[rng.randrange(particles)]) for _ in range(particles)]
-        if step % 11 == 6:  # one particle goes back to an older context
-            c = contexts[rng.randrange(particles)]
-            del c[max(1, len(c) - rng.randint(2, 6)) :]
-    return served
-
-
 def reference_rows(contexts: list[tuple[int, ...]], ref) -> dict[tuple[int, ...], torch.Tensor]:
     """The row of every context from plain, unbatched forward passes of ``ref``'s transformers model, in
     float64. Only contexts that are no prefix of another run, and each is read at the positions where
@@ -159,24 +125,46 @@ def assert_rows_match(served, ref, atol=ATOL):
 
 
 def assert_no_sequence_leaks(lm):
-    seqs = lm.sequences
-    live = seqs.live.release_all()
-    assert sorted(live + seqs.free) == list(range(lm.engine.config.n_seq_max))
-    assert all(lm.engine.sequence_length(s) == 0 for s in seqs.free if s not in live)
+    lm.sequences.release_all()
+    free = lm.sequence_ids.free
+    assert sorted(free) == list(range(lm.engine.config.n_seq_max))
+    assert all(lm.engine.sequence_length(s) == 0 for s in free)
 
 
 def test_hundreds_of_continued_forked_cancelled_and_rewound_steps_match_genlm_hf(tiny_gpt2):
     folder, gguf = tiny_gpt2
     lm, ref = llamacpp(gguf, batch_size=16), hf(folder)
-    served = asyncio.run(particle_program(lm, lm.vocab_size, particles=12, steps=200, seed=1))
+    served = asyncio.run(particle_program(lm, particles=12, steps=200, seed=1))
     s = lm.sequences.stats
     assert len(served) > 2000
-    assert s.continued > 1500 and s.forked > 100 and s.fresh > 10  # every path ran
+    assert s.continued > 1500 and s.forked > 100 and s.fresh + s.copied > 10  # every path ran
     assert s.tokens_computed < 1.3 * s.rows  # a continued row costs its one new token
     assert_rows_match(served, ref)
     assert_no_sequence_leaks(lm)
     lm.cleanup()
     ref.cleanup()
+
+
+def held_sequences(lm) -> int:
+    """Sequence ids not free, and free ones that still hold positions."""
+    free = lm.sequence_ids.free
+    n = lm.engine.config.n_seq_max
+    return n - len(set(free)) + sum(lm.engine.sequence_length(s) > 0 for s in free)
+
+
+@pytest.mark.parametrize("opts", [{"batch_size": 16}, {"batch_size": 4, "n_seq_max": 6, "live": {"lookback": 2}}])
+def test_the_shared_particle_check_of_core_passes_on_llama_cpp(tiny_gpt2, opts):
+    """genlm_core.testing.live: the randomised program every live-sequence engine passes (rows equal the
+    uncached rows, every placement ran, no sequence left once released)."""
+    from genlm_core.testing.live import check_live_sequences
+
+    _, gguf = tiny_gpt2
+    lm = llamacpp(gguf, **opts)
+    stats = check_live_sequences(lm, lm.sequences, in_use=lambda: held_sequences(lm), steps=40)
+    assert stats.copied > 0  # a sibling in a later batch, a particle that went back, a repeated context
+    if opts.get("n_seq_max"):
+        assert stats.evicted > 0
+    lm.cleanup()
 
 
 @pytest.mark.slow
@@ -186,7 +174,7 @@ def test_a_full_kv_cache_or_too_few_sequences_give_fresh_rows_never_wrong_ones(t
     ref = hf(folder)
     # 12 particles of up to 80 tokens in 256 cells (llama.cpp's least): live sequences are evicted for room
     small = llamacpp(gguf, batch_size=12, n_seq_max=12, n_ctx=256)
-    served = asyncio.run(particle_program(small, small.vocab_size, particles=12, steps=70, seed=2))
+    served = asyncio.run(particle_program(small, particles=12, steps=70, seed=2))
     assert small.sequences.stats.evicted > 0 and small.context_limit == 256
     # a batch that cannot fit at all (6 x 60 tokens in 256 cells): each row alone
     unrelated = [list(range(1000 + 100 * i, 1060 + 100 * i)) for i in range(6)]
@@ -197,13 +185,13 @@ def test_a_full_kv_cache_or_too_few_sequences_give_fresh_rows_never_wrong_ones(t
     assert_no_sequence_leaks(small)
     small.cleanup()
     few = llamacpp(gguf, batch_size=4, n_seq_max=5)  # 12 particles, 5 sequences: batches of 4, evictions
-    served = asyncio.run(particle_program(few, few.vocab_size, particles=12, steps=30, seed=3))
+    served = asyncio.run(particle_program(few, particles=12, steps=30, seed=3))
     assert few.sequences.stats.evicted > 20
     assert_rows_match(served, ref)
     assert_no_sequence_leaks(few)
     few.cleanup()
-    off = llamacpp(gguf, live_sequences=False)
-    served = asyncio.run(particle_program(off, off.vocab_size, particles=6, steps=10, seed=4))
+    off = llamacpp(gguf, live={"enabled": False})
+    served = asyncio.run(particle_program(off, particles=6, steps=10, seed=4))
     assert off.sequences.stats.continued == 0 and len(off.sequences.live) == 0
     assert_rows_match(served, ref)
     off.cleanup()

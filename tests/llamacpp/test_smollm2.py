@@ -11,9 +11,10 @@ import torch
 from genlm_core import load_model_by_name
 from genlm_core.bytes import BeamParams, ByteBeamState
 from genlm_core.cli import main
+from genlm_core.testing.live import particle_program
 from genlm_core.testing.models import smollm2_dir
 
-from .test_llamacpp import assert_rows_match, particle_program
+from .test_llamacpp import assert_rows_match
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def f32_smollm2():
 @pytest.mark.realmodel
 def test_float32_gguf_rows_equal_genlm_hf_through_a_particle_program(f32_smollm2, hf_smollm2):
     assert f32_smollm2.engine.config.cache_type == "f32"
-    served = asyncio.run(particle_program(f32_smollm2, 2000, particles=8, steps=30, seed=5))
+    served = asyncio.run(particle_program(f32_smollm2, particles=8, steps=30, seed=5))
     assert f32_smollm2.sequences.stats.continued > 150
     assert_rows_match(served, hf_smollm2)
 

@@ -65,6 +65,29 @@ def test_deep_prefix_reuse_and_resampling(pair):
     assert max_diff(gather(mlx_lm, mixed), gather(hf, mixed)) <= TOL
 
 
+def test_a_batch_gathers_rows_of_several_blocks_beside_fresh_rows(pair):
+    """Particles of two programs, stored by two batches, and a fresh context in one batch: each block's
+    rows are gathered into their places in one past, the fresh row's past is zeros, all masked."""
+    mlx_lm, hf = pair
+    p, q = list(range(100, 160)), list(range(300, 340))
+    gather(mlx_lm, [p + [1], p + [2]])
+    gather(mlx_lm, [q + [1], q + [2], q + [3]])
+    contexts = [q + [3, 5], p + [1, 5], [7, 8, 9], q + [1, 5], p + [2, 5]]
+    before, calls = mlx_lm.tokens_computed, mlx_lm.forward_calls
+    assert max_diff(gather(mlx_lm, contexts), gather(hf, contexts)) <= TOL
+    assert mlx_lm.tokens_computed - before == 7 and mlx_lm.forward_calls - calls == 1
+
+
+def test_uncached_rows_run_the_plain_model(pair):
+    mlx_lm, hf = pair
+    ctx = list(range(500, 540))
+    mlx_lm.next_token_logprobs_sync(ctx[:-1])
+    before = mlx_lm.tokens_computed
+    row = mlx_lm.next_token_logprobs_uncached(ctx)
+    assert mlx_lm.tokens_computed == before  # not through KV reuse
+    assert max_diff([row], [hf.next_token_logprobs_uncached(ctx)]) <= TOL
+
+
 def test_rope_parameters_block_is_not_ignored():
     import mlx_lm
 

@@ -31,17 +31,9 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
 )
 
 from genlm_vllm import capture
-from genlm_vllm.capture import (
-    CONTEXT,
-    NORMALISE,
-    PROCESSORS,
-    ROWS,
-    ROWS_LOCK,
-    TAG,
-    CaptureLogits,
-    context_fingerprint,
-    write_rows,
-)
+from genlm_vllm.capture import CaptureLogits, write_rows
+from genlm_vllm.mailbox import ROWS, ROWS_LOCK
+from genlm_vllm.wire import CONTEXT, NORMALISE, PROCESSORS, TAG, context_fingerprint
 
 VOCAB = 50
 
@@ -144,6 +136,18 @@ def add_v2(state, processors, job: Job, resumed: bool = False) -> None:
     state.num_computed_tokens.clear_staged_writes()
     for processor in processors:
         processor.add_request(slot, job.params())
+
+
+def test_the_names_the_engine_loads_us_by_are_our_classes():
+    """The caller passes names (genlm_vllm.wire); vLLM resolves them with its own loader in each process."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from genlm_vllm import forks
+    from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, EXTENSION
+
+    assert resolve_obj_by_qualname(PROCESSORS["v1"].replace(":", ".")) is capture.CaptureLogits
+    assert resolve_obj_by_qualname(EXTENSION) is capture.RowsExtension
+    assert resolve_obj_by_qualname(f"{CONNECTOR_MODULE}.{CONNECTOR}") is forks.ForkConnector
 
 
 def test_vllm_loads_the_v2_capture_by_name_and_refuses_the_v1_one():

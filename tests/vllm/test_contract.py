@@ -71,8 +71,8 @@ def test_the_installed_vllm_has_every_interface_we_use():
 
 
 def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
-    """A copy of the installed vLLM with four changes: a parameter renamed, a field dropped, a new
-    abstract method on the connector base, and a module we import removed."""
+    """A copy of the installed vLLM with five changes: a parameter renamed, two fields dropped (one of
+    a request's output), a new abstract method on the connector base, and a module we import removed."""
     root = tmp_path / "vllm"
     shutil.copytree(contract.installed_sources(), root, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     processor = root / "v1/engine/input_processor.py"
@@ -87,10 +87,13 @@ def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
             "    def wait_for_save(self):",
         )
     )
+    logprobs = root / "logprobs.py"
+    logprobs.write_text(logprobs.read_text().replace("    logprob: float", "    log_prob: float"))
     (root / "v1/core/kv_cache_utils.py").unlink()
     problems = "\n".join(contract.check(root))
     assert "InputProcessor.process_inputs takes no parameter resumable" in problems
     assert "EngineCoreRequest has no attribute external_req_id" in problems
     assert "ForkConnector does not implement KVConnectorBase_V1.new_duty" in problems
     assert "module vllm.v1.core.kv_cache_utils is missing" in problems
-    assert len(problems.splitlines()) >= 4
+    assert "logprobs.py: Logprob has no attribute logprob" in problems
+    assert len(problems.splitlines()) >= 5

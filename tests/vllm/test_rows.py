@@ -1,5 +1,5 @@
 """The row channels and process layout of genlm-vllm, without an engine: the worker's side is
-played by :class:`genlm_vllm.capture.Segment` opened by path, as a worker process opens it."""
+played by :class:`genlm_vllm.wire.Segment` opened by path, as a worker process opens it."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ if importlib.util.find_spec("vllm") is None:
 from genlm_core.errors import OptionsError
 from genlm_core.request import Request
 from genlm_vllm import VLLMOptions
-from genlm_vllm.capture import ROWS, SLOT, TAG, WRITING, RowsExtension, Segment
+from genlm_vllm.capture import RowsExtension
 from genlm_vllm.environment import engine_env, threads_bind
 from genlm_vllm.layout import layout
+from genlm_vllm.mailbox import ROWS
 from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows
 from genlm_vllm.shm_files import EngineFiles, leftover_files
+from genlm_vllm.wire import SLOT, TAG, WRITING, Segment
 
 WIDTH = 10
 
@@ -190,7 +192,7 @@ def test_layouts_and_impossible_combinations():
 def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere():
     """The choice (VLLMOptions.async_scheduling): sessions wait for each step's row, so vLLM's async
     scheduling is off for them and refused if asked for; one-token requests keep vLLM's default."""
-    from genlm_vllm.driver import engine_kwargs
+    from genlm_vllm.engine_args import engine_kwargs
 
     def kwargs(**options):
         opts = VLLMOptions(**options)
@@ -199,9 +201,9 @@ def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere()
     for sessions in ({}, {"multiprocess": True}, {"engine_opts": {"tensor_parallel_size": 2}}, {"replicas": 2}):
         assert kwargs(**sessions)["async_scheduling"] is False, sessions
     assert "async_scheduling" not in kwargs(engine="async")  # vLLM's default (on, on CUDA)
-    assert "async_scheduling" not in kwargs(live_sessions=False)
+    assert "async_scheduling" not in kwargs(live={"enabled": False})
     assert kwargs(engine="async", async_scheduling=False)["async_scheduling"] is False
-    assert kwargs(live_sessions=False, async_scheduling=True)["async_scheduling"] is True
+    assert kwargs(live={"enabled": False}, async_scheduling=True)["async_scheduling"] is True
     for asked in ({"async_scheduling": True}, {"engine_opts": {"async_scheduling": True}}):
         with pytest.raises(OptionsError, match="cannot run live sessions"):
             VLLMOptions(**asked)
@@ -211,8 +213,9 @@ def test_the_capture_follows_the_runner_and_the_runner_is_checked_after_start(mo
     from types import SimpleNamespace
 
     from genlm_vllm import vllm_api
-    from genlm_vllm.capture import PROCESSORS
-    from genlm_vllm.driver import check_started, engine_kwargs
+    from genlm_vllm.engine_args import engine_kwargs
+    from genlm_vllm.launch import check_started
+    from genlm_vllm.wire import PROCESSORS
 
     opts = VLLMOptions()
     lay = layout(opts)
@@ -242,15 +245,17 @@ def test_the_capture_follows_the_runner_and_the_runner_is_checked_after_start(mo
     assert (driver.runner, driver.context_limit) == ("v2", 2047)
 
 
-def test_auto_asks_vllms_own_rule(monkeypatch, tmp_path):
+def test_auto_is_what_vllms_own_rule_decides(monkeypatch, tmp_path):
     """Without a pinned runner, "auto" is what vLLM's configuration decides: V1 on the CPU build (no
-    Triton there for V2)."""
+    Triton there for V2), where "auto" answers without building a configuration."""
     from genlm_core.testing.models import tiny_model_dir
     from genlm_vllm import vllm_api
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     path = str(tiny_model_dir("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
-    assert vllm_api.resolve_runner("auto", {"model": path, "kv_cache_memory_bytes": 2**26}) == "v1"
+    kwargs = {"model": path, "kv_cache_memory_bytes": 2**26}
+    assert vllm_api.runner_vllm_picks(kwargs) == "v1"
+    assert vllm_api.resolve_runner("auto", kwargs) == "v1"
 
 
 def test_ray_address_reaches_an_engine_core_in_its_own_process(monkeypatch):
@@ -380,7 +385,7 @@ def test_cpu_lora_kernel_gives_no_adapter_tokens_no_delta():
 
 
 def test_rows_that_are_consecutive_rows_of_one_block_are_stacked_without_a_copy():
-    from genlm_vllm.driver import as_block
+    from genlm_vllm.rows import as_block
 
     block = torch.randn(6, 10)
     whole = as_block(list(block))

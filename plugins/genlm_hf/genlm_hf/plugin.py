@@ -13,4 +13,6 @@ def register_backends(register: Register) -> None:
         options=HFOptions,
         aliases=("transformers",),
         description="Hugging Face transformers, CPU or CUDA; automatic KV reuse, LoRA, bitsandbytes.",
+        default_priority=10,  # runs everywhere: the default unless a backend ranks higher here
+        install="pip install genlm-hf",
     )

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from genlm_core.assets import cache_dir
 from genlm_core.errors import ModelNotFoundError
-from genlm_core.testing.tokenizers import cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """``LlamaCppLM``: a GGUF model in llama.cpp behind the AsyncLM protocol.
 
 A request flows: core's batcher → :meth:`LlamaCppLM.forward_batch` →
-:class:`~genlm_llamacpp.sequences.Sequences` (which live sequence each request continues or forks)
-→ :class:`~genlm_llamacpp.engine.LlamaEngine` (one ``llama_decode`` of every new token) → one
-logits row per request.
+:class:`~genlm_core.live.LiveSequences` (core: which live sequence each request continues, forks or
+copies) → :class:`~genlm_llamacpp.sequences.LlamaSequences` → :class:`~genlm_llamacpp.engine.LlamaEngine`
+(one ``llama_decode`` of every new token) → one logits row per request.
 """
 
 from __future__ import annotations
@@ -12,13 +12,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from genlm_core import AsyncLM, Request, Tokenizer
+from genlm_core import AsyncLM, Request, RowsOut, Tokenizer
+from genlm_core.live import LiveSequences
 from genlm_llamacpp.engine import EngineConfig, LlamaEngine
 from genlm_llamacpp.files import gguf_tokenizer, resolve_gguf
 from genlm_llamacpp.options import LlamaCppOptions
-from genlm_llamacpp.sequences import Sequences
+from genlm_llamacpp.sequences import LlamaSequences
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,9 @@ class LlamaCppLM(AsyncLM):
         self.engine = engine
         self.check_vocabulary()
         self.context_limit = engine.n_ctx
-        self.sequences = Sequences(engine, live=o.live_sequences, lookback=o.lookback)
+        #: This context's sequence ids, and the particles alive in them (core's live sequences).
+        self.sequence_ids = LlamaSequences(engine)
+        self.sequences: LiveSequences[int, np.ndarray] = LiveSequences(self.sequence_ids, o.live)
 
     def check_vocabulary(self) -> None:
         """Raise ValueError unless the tokenizer's bytes are llama.cpp's, token by token."""
@@ -112,14 +116,15 @@ class LlamaCppLM(AsyncLM):
 
     # ---- the backend ---------------------------------------------------------------------------
 
-    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
-        return torch.from_numpy(self.sequences.rows(requests))
+    def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
+        return self.sequences.run(requests).rows()
 
     def forward_uncached(self, request: Request) -> torch.Tensor:
         return torch.from_numpy(self.sequences.uncached(request))
 
     def clear_backend_cache(self) -> None:
-        self.sequences.clear()
+        self.sequences.release_all()
+        self.sequence_ids.clear()
 
     def close_backend(self) -> None:
         self.engine.close()

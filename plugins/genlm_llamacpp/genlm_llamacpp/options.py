@@ -7,6 +7,7 @@ from typing import Literal, Self
 from pydantic import Field, PositiveInt, model_validator
 
 from genlm_core.config import BackendOptions
+from genlm_core.live import LiveOptions
 
 #: llama.cpp's most sequences per context (``LLAMA_MAX_SEQ``).
 MAX_SEQUENCES = 256
@@ -45,13 +46,10 @@ class LlamaCppOptions(BackendOptions):
         "None: off for an f32 cache, llama.cpp's choice otherwise.",
     )
     n_gpu_layers: int = Field(0, ge=-1, description="Layers offloaded to a GPU by a GPU build of llama.cpp (-1: all).")
-    live_sequences: bool = Field(
-        True,
-        description="Keep each row's context alive as a llama.cpp sequence, so a request that extends it "
-        "by a token computes one token; False computes every row from its whole context.",
-    )
-    lookback: PositiveInt = Field(
-        1, description="Most tokens by which a request may extend a live sequence to continue it."
+    live: LiveOptions = Field(
+        default_factory=lambda: LiveOptions.model_validate({}),
+        description="Particles kept alive as llama.cpp sequences, so that a request extending a row's context "
+        "by a token computes one token (core's live sequences: enabled, lookback, limits).",
     )
     tokenizer: str | None = Field(
         None,

@@ -43,4 +43,6 @@ def register_backends(register: Register) -> None:
         "particles live in llama.cpp sequences, forks by sequence copy.",
         check=unavailable_reason,
         details="genlm_llamacpp.plugin:here",
+        default_priority=0,  # the default only when no other backend ranks higher
+        install=INSTALL,
     )

@@ -1,10 +1,11 @@
 """``AsyncMlxLM``: an mlx-lm model behind the AsyncLM protocol, with automatic KV reuse.
 
-The reuse plan comes from core (:mod:`genlm_core.kv_reuse`), as for genlm-hf. mlx-lm's attention
-layers ask their cache for RoPE offsets, for the keys and values, and for the mask; a
-:class:`_PlannedCache` answers with per-row offsets (left-padded new tokens keep their real
-positions), the gathered past and the plan's mask, so ragged batches over different cached
-prefixes are exact. The LM head runs only at the last position.
+Core's :class:`~genlm_core.kv_reuse.KVReuse` runs the forward step, as for genlm-hf; this module
+implements its protocol on MLX: :meth:`AsyncMlxLM.gather_kv` (stored states into a past, by index)
+and :meth:`AsyncMlxLM.run_step`. mlx-lm's attention layers ask their cache for RoPE offsets, for the
+keys and values, and for the mask; a :class:`_PlannedCache` answers with per-row offsets
+(left-padded new tokens keep their real positions), the past and the step's mask, so ragged batches
+over different cached prefixes are exact. The LM head runs only at the last position.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from genlm_core import AsyncLM, Request, Tokenizer
 from genlm_core.hub import resolve_model
-from genlm_core.kv_reuse import BatchPlan, KVBlock, KVReuse
+from genlm_core.kv_reuse import KV, Gather, GatherPart, KVReuse, Step
 from genlm_mlx.options import MLXOptions
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,14 @@ class _PlannedCache:
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         return self._mask
+
+
+def _take(part: GatherPart) -> KV:
+    """``part``'s states, ``[rows, heads, columns, head_dim]`` per layer: one indexing each."""
+    rows = mx.array(part.rows)[:, None, None]
+    heads = mx.arange(part.block.kv[0][0].shape[1])[None, :, None]
+    columns = mx.array(part.columns)[:, None, :]
+    return [(k[rows, heads, columns], v[rows, heads, columns]) for k, v in part.block.kv]
 
 
 def normalise_config(path: Path) -> dict[str, Any]:
@@ -104,86 +113,53 @@ class AsyncMlxLM(KVReuse, AsyncLM):
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
         if not self.planned:
-            rows = [self.model(mx.array([list(r.token_ids)]))[:, -1, :] for r in requests]
-            logits = mx.concatenate(rows, axis=0).astype(mx.float32)
-        else:
-            logits = self.kv_logits([r.token_ids for r in requests]).astype(mx.float32)
-        mx.eval(logits)
+            return torch.stack([self.forward_uncached(r) for r in requests])
+        return self.kv_forward_batch(requests)
+
+    def forward_uncached(self, request: Request) -> torch.Tensor:
+        logits = self.model(mx.array([list(request.token_ids)]))[0, -1, :].astype(mx.float32)
         return torch.from_numpy(np.array(logits))
 
-    def _past(self, plan: BatchPlan) -> tuple[list[tuple[mx.array, mx.array]] | None, mx.array]:
-        n = len(plan.rows)
-        if not plan.groups:
-            return None, mx.zeros((n, 0), dtype=mx.bool_)
-        whole = plan.reuses_whole_block()
-        if whole is not None:
-            return whole.kv, whole.mask
-        length = plan.past_length
-        parts_kv: list[list[tuple[mx.array, mx.array]]] = []
-        parts_mask, order = [], []
-        for block, dst, src in plan.groups:  # each block's rows, right-aligned to the common length
-            index = mx.array(src)
-            pad = length - block.length
-            kv = []
-            for k, v in block.kv:
-                k, v = k[index], v[index]
-                if pad:
-                    k = mx.concatenate([mx.zeros((len(src), k.shape[1], pad, k.shape[3]), k.dtype), k], axis=2)
-                    v = mx.concatenate([mx.zeros((len(src), v.shape[1], pad, v.shape[3]), v.dtype), v], axis=2)
-                kv.append((k, v))
-            mask = block.mask[index]
-            if pad:
-                mask = mx.concatenate([mx.zeros((len(src), pad), dtype=mx.bool_), mask], axis=1)
-            parts_kv.append(kv)
-            parts_mask.append(mask)
-            order += dst
-        missing = [b for b in range(n) if b not in set(order)]
-        if missing:  # rows with nothing cached: an all-masked past
-            template = plan.groups[0][0].kv
-            parts_kv.append(
-                [
-                    (
-                        mx.zeros((len(missing), k.shape[1], length, k.shape[3]), k.dtype),
-                        mx.zeros((len(missing), v.shape[1], length, v.shape[3]), v.dtype),
-                    )
-                    for k, v in template
-                ]
-            )
-            parts_mask.append(mx.zeros((len(missing), length), dtype=mx.bool_))
-            order += missing
-        inverse = mx.array(np.argsort(np.array(order)))
-        kv = [
+    def gather_kv(self, gather: Gather) -> KV:
+        """Follow ``gather`` in every layer: one indexing per part, written into a zero past unless one
+        part is all of it."""
+        if (whole := gather.whole()) is not None:
+            return _take(whole)
+        size = gather.length + gather.room
+        past = [
             (
-                mx.concatenate([p[i][0] for p in parts_kv], axis=0)[inverse],
-                mx.concatenate([p[i][1] for p in parts_kv], axis=0)[inverse],
+                mx.zeros((gather.rows, k.shape[1], size, k.shape[3]), k.dtype),
+                mx.zeros((gather.rows, v.shape[1], size, v.shape[3]), v.dtype),
             )
-            for i in range(len(parts_kv[0]))
+            for k, v in gather.parts[0].block.kv
         ]
-        return kv, mx.concatenate(parts_mask, axis=0)[inverse]
+        for part in gather.parts:
+            into, end = mx.array(part.into), part.at + part.columns.shape[1]
+            for (k, v), (gk, gv) in zip(past, _take(part)):
+                k[into, :, part.at : end] = gk
+                v[into, :, part.at : end] = gv
+        return past
 
-    def forward_new(self, plan: BatchPlan) -> tuple[mx.array, KVBlock]:
-        past, past_mask = self._past(plan)
-        width = plan.width
-        new_mask = mx.array(plan.new_mask)
-        valid = mx.concatenate([past_mask, new_mask], axis=1)  # [batch, past + width]
-        past_len = valid.shape[1] - width
-        causal = mx.arange(width)[:, None] >= mx.arange(width)[None, :]
-        allowed = mx.concatenate([mx.ones((width, past_len), dtype=mx.bool_), causal], axis=1)
-        mask = allowed[None, None] & valid[:, None, None, :]
-        # a pad query sees its own (pad) key: no fully masked row, hence no NaN to spread
-        mask = mask | mx.concatenate(
-            [mx.zeros((width, past_len), dtype=mx.bool_), mx.eye(width, dtype=mx.bool_)], axis=1
-        )
+    def run_step(self, step: Step) -> tuple[torch.Tensor, KV]:
+        """The model on ``step`` through :class:`_PlannedCache` layers; logits at each row's last
+        position (this backend does not pack rows)."""
+        assert step.outputs == [(b, step.width - 1) for b in range(len(step.input_ids))]
+        mask = mx.array(step.attention())[:, None]
         # RoPE position of column j in row b is offset[b] + j: left pads do not shift real positions
-        offset = mx.array(plan.positions[:, -1] - (width - 1))
-        layers: list[tuple[mx.array, mx.array] | None] = list(past) if past else [None] * len(self.model.layers)
-        caches = [_PlannedCache(layer_kv, offset, mask) for layer_kv in layers]
-        hidden = self.model.model(mx.array(plan.input_ids), cache=caches)[:, -1:, :]
+        offset = mx.array(step.positions[:, -1] - (step.width - 1))
+        length = step.past_length
+        past: list[tuple[mx.array, mx.array] | None] = (
+            [(k[:, :, :length], v[:, :, :length]) for k, v in step.past]
+            if step.past
+            else [None] * len(self.model.layers)
+        )
+        caches = [_PlannedCache(layer_kv, offset, mask) for layer_kv in past]
+        hidden = self.model.model(mx.array(step.input_ids), cache=caches)[:, -1:, :]
         head = self.model.lm_head if hasattr(self.model, "lm_head") else self.model.model.embed_tokens.as_linear
-        logits = head(hidden)[:, 0, :]
-        block = KVBlock([(c.keys, c.values) for c in caches], valid)
-        mx.eval(logits, *[a for kv in block.kv for a in kv], block.mask)
-        return logits, block
+        logits = head(hidden)[:, 0, :].astype(mx.float32)
+        kv = [(c.keys, c.values) for c in caches]
+        mx.eval(logits, *[a for layer in kv for a in layer])
+        return torch.from_numpy(np.array(logits)), kv
 
     def close_backend(self) -> None:
         self.model = None

@@ -3,6 +3,8 @@
 from genlm_core import Register, hookimpl
 from genlm_mlx.options import MLXOptions
 
+INSTALL = "pip install genlm-mlx (Apple silicon) or 'genlm-mlx[cpu]' (Linux)"
+
 
 def unavailable_reason() -> str | None:
     """Why MLX cannot run here, or None."""
@@ -10,7 +12,7 @@ def unavailable_reason() -> str | None:
         import mlx.core  # noqa: F401
         import mlx_lm  # noqa: F401
     except ImportError as exc:
-        return f"{exc.name or 'mlx'} is not installed (pip install 'genlm-mlx[cpu]' on Linux)"
+        return f"{exc.name or 'mlx'} is not installed: {INSTALL}"
     return None
 
 
@@ -23,4 +25,6 @@ def register_backends(register: Register) -> None:
         options=MLXOptions,
         description="MLX via mlx-lm (Apple silicon; CPU on Linux); automatic KV reuse.",
         check=unavailable_reason,
+        default_priority=0,  # the default only when no other backend ranks higher
+        install=INSTALL,
     )

@@ -21,11 +21,11 @@ import torch
 
 from genlm_core import BatcherError, Request
 from genlm_vllm import vllm_api
-from genlm_vllm.driver import EngineDriver, first_token_logprobs, sampling_params, stack, without_stop
-from genlm_vllm.environment import engine_start
+from genlm_vllm.driver import EngineDriver
+from genlm_vllm.launch import launch
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.rows import SharedMemoryRows, open_channel
+from genlm_vllm.rows import SharedMemoryRows, open_channel, stack
 
 T = TypeVar("T")
 
@@ -88,22 +88,18 @@ class AsyncLLMDriver(EngineDriver):
         self._inflight_lock = threading.Lock()
 
     @classmethod
-    def start(cls, kwargs: dict[str, Any], options: VLLMOptions, lay: Layout, runner: str) -> AsyncLLMDriver:
-        """Start an AsyncLLM with engine arguments ``kwargs`` on a new engine thread."""
+    def start(cls, model: str, options: VLLMOptions, lay: Layout) -> AsyncLLMDriver:
+        """Start an AsyncLLM for ``model`` on a new engine thread."""
         thread = EngineThread()
 
-        async def build() -> Any:  # on the engine loop, so AsyncLLM's output handler runs there
+        async def build(kwargs: dict[str, Any]) -> Any:  # on the engine loop: AsyncLLM's output handler runs there
             return vllm_api.start_async_llm(kwargs)
 
         try:
-            with engine_start(lay, runner):
-                engine = thread.call(build())
+            return launch(model, options, lay, lambda kwargs: thread.call(build(kwargs)), lambda e: cls(e, thread, lay))
         except BaseException:
-            thread.stop()
+            thread.stop()  # (a driver that failed its check has stopped it already)
             raise
-        driver = cls(engine, thread, lay)
-        driver.confirm_started(vllm_api.engine_config(engine), runner, sessions=False)
-        return driver
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -139,15 +135,14 @@ class AsyncLLMDriver(EngineDriver):
         """On the engine loop: one request's raw row (``cache_salt``: sharing no cached KV block)."""
         assert self.rows is not None
         ticket = self.rows.prepare(1)
-        params = sampling_params(1, (), 1.0, None)
-        params.extra_args = ticket.extra_args[0]
+        params = vllm_api.row_params(ticket.extra_args[0])
         self.batches += 1
         finished = False
         try:
-            prompt = vllm_api.prompt(request.token_ids, cache_salt)
             lora = self.loras.get(request.adapter)
-            async for _ in self.engine.generate(prompt, params, ticket.tags[0], lora_request=lora):
-                pass
+            await vllm_api.run_async(
+                self.engine, request.token_ids, params, ticket.tags[0], cache_salt=cache_salt, lora=lora
+            )
             rows = await self.rows.collect_async(ticket)
             finished = True
         finally:
@@ -180,30 +175,24 @@ class AsyncLLMDriver(EngineDriver):
         self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
     ) -> list[int]:
         """Streamed like every request; cancelling the caller aborts it in the engine."""
-        params = sampling_params(max_tokens, eos, temperature, seed)
-        return await asyncio.wrap_future(self.engine_thread.submit(self._sample_one(request, params)))
+        params = vllm_api.sample_params(max_tokens, eos, temperature, seed)
+        return await asyncio.wrap_future(self.engine_thread.submit(self._sample_one(request, params, eos)))
 
-    async def _sample_one(self, request: Request, params: Any) -> list[int]:
+    async def _sample_one(self, request: Request, params: Any, eos: tuple[int, ...]) -> list[int]:
         assert self.rows is not None
         self.batches += 1
-        final = None
-        prompt = vllm_api.prompt(request.token_ids)
         lora = self.loras.get(request.adapter)
-        async for out in self.engine.generate(prompt, params, self.rows.new_tags(1)[0], lora_request=lora):
-            final = out
+        final = await vllm_api.run_async(self.engine, request.token_ids, params, self.rows.new_tags(1)[0], lora=lora)
         assert final is not None
-        return without_stop(final.outputs[0].token_ids, params.stop_token_ids)
+        return vllm_api.sampled_tokens(final, eos)
 
     def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
         assert self.rows is not None
 
         async def one(context: Sequence[int], tag: str) -> dict[int, float]:
-            params = vllm_api.SamplingParams(max_tokens=1, logprobs=k, detokenize=False)
-            final = None
-            async for out in self.engine.generate(vllm_api.prompt(context), params, tag):
-                final = out
-            assert final is not None
-            return first_token_logprobs(final)
+            return vllm_api.first_token_logprobs(
+                await vllm_api.run_async(self.engine, context, vllm_api.top_params(k), tag)
+            )
 
         async def every() -> list[dict[int, float]]:
             tags = self.rows.new_tags(len(contexts))  # type: ignore[union-attr]
@@ -221,10 +210,10 @@ class AsyncLLMDriver(EngineDriver):
         self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.engine_thread.call(self.engine.remove_lora(self.loras.pop_id(name)))
+        self.engine_thread.call(vllm_api.remove_lora_async(self.engine, self.loras.pop_id(name)))
 
     def reset_prefix_cache(self) -> None:
-        self.engine_thread.call(self.engine.reset_prefix_cache())
+        self.engine_thread.call(vllm_api.reset_prefix_cache_async(self.engine))
 
     def shutdown(self) -> None:
         from genlm_core import ClosedError
@@ -233,7 +222,7 @@ class AsyncLLMDriver(EngineDriver):
         engine, self.engine = self.engine, None
 
         async def shutdown() -> None:
-            engine.shutdown()
+            vllm_api.shutdown_async_llm(engine)
 
         try:
             self.engine_thread.call(shutdown(), timeout=60)

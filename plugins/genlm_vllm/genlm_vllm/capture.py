@@ -2,39 +2,44 @@
 
 One processor per vLLM model runner, since their interfaces differ: :class:`CaptureLogits` for the
 V1 runner (vLLM's CPU build, and CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``) and
-:class:`CaptureLogitsV2` for Model Runner V2 (CUDA's default). :data:`PROCESSORS` names them; the
-engine is started with the one for the runner it will use (:func:`genlm_vllm.vllm_api.resolve_runner`).
+:class:`CaptureLogitsV2` for Model Runner V2 (CUDA's default). :data:`~genlm_vllm.wire.PROCESSORS`
+names them; the engine is started with the one for the runner it will use
+(:func:`genlm_vllm.vllm_api.resolve_runner`).
 
-This module is imported by whichever process runs the model: the caller's own (in-process engine),
-vLLM's engine-core process, or each tensor/pipeline-parallel worker. Requests are matched by the
-tag in ``SamplingParams.extra_args`` (never by row order), so it does not matter how the scheduler
-splits, orders or chunks them. With chunked prefill every chunk produces a row; the one kept is at
-the context's last position.
+vLLM imports this module by name in whichever process runs the model (the caller's own for an
+in-process engine, vLLM's engine-core process, each tensor/pipeline-parallel worker) and in the
+caller's, where its input processor validates requests against the processor class. Importing it
+changes nothing; constructing a processor (once per model runner, when the engine starts in that
+process and before its first forward pass) applies :func:`~genlm_vllm.vllm_fixes.apply_cpu_fixes`
+there, the one hook vLLM gives us in every worker. The caller's side of the protocol (keys, slot
+file, fingerprints) is :mod:`genlm_vllm.wire`.
 
-Each step's tagged rows are gathered in one operation, normalised there (a float32 log-softmax
-over the first ``NORMALISE`` columns: the caller's vocabulary), and leave the device in one copy per
-step; with ``ON_DEVICE`` (an in-process engine) they stay on the model's device.
+Requests are matched by the tag in ``SamplingParams.extra_args`` (never by row order), so it does
+not matter how the scheduler splits, orders or chunks them. With chunked prefill every chunk produces
+a row; the one kept is at the context's last position. Each step's tagged rows are gathered in one
+operation, normalised there (a float32 log-softmax over the first ``NORMALISE`` columns: the caller's
+vocabulary), and leave the device in one copy per step; with ``ON_DEVICE`` (an in-process engine)
+they stay on the model's device.
 
 Exactly one process writes each row: tensor-parallel rank 0 of the last pipeline stage (with TP
 every rank sees the same all-gathered logits; with PP only the last stage has any). Where the row
 goes depends on the request's extra arguments:
 
-- ``SLOT`` present: into a caller-owned shared-memory slot (see :mod:`genlm_vllm.rows`), using a
-  sequence-numbered flag so the caller never mistakes an old or half-written row for its own;
-- otherwise into :data:`ROWS` in this process, read directly by an in-process caller or fetched
-  with ``collective_rpc("genlm_pop_rows", ...)`` through :class:`RowsExtension`.
+- ``SLOT`` present: into a caller-owned shared-memory slot (:class:`~genlm_vllm.wire.Segment`),
+  using a sequence-numbered flag so the caller never mistakes an old or half-written row for its own;
+- otherwise into this process's :mod:`~genlm_vllm.mailbox`, read directly by an in-process caller or
+  fetched with ``collective_rpc("genlm_pop_rows", ...)`` through :class:`RowsExtension`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from genlm_vllm import mailbox
 from genlm_vllm.vllm_api import (
     BatchUpdate,
     LogitsContext,
@@ -46,41 +51,21 @@ from genlm_vllm.vllm_api import (
     parallel_ranks,
 )
 from genlm_vllm.vllm_fixes import apply_cpu_fixes
+from genlm_vllm.wire import (
+    CONTEXT,
+    NORMALISE,
+    ON_DEVICE,
+    SLOT,
+    TAG,
+    Segment,
+    context_fingerprint,
+    fingerprint_positions,
+)
 
 log = logging.getLogger(__name__)
 
-apply_cpu_fixes()  # this module is imported wherever the model runs
-
-TAG = "genlm_capture"  #: extra_args key: the request's tag (a string)
-SLOT = "genlm_slot"  #: extra_args key: [segment path, slots in segment, width, slot index, sequence number]
-CONTEXT = "genlm_context"  #: extra_args key (optional): the :func:`context_fingerprint` the row must be for
-NORMALISE = "genlm_normalise"  #: extra_args key (optional): normalise the row over this many first columns
-ON_DEVICE = "genlm_on_device"  #: extra_args key (optional, in-process engines): keep the row on the model's device
-
-#: Rows captured in this process and not yet taken, by tag; bounded by :data:`MAX_KEPT_ROWS`.
-ROWS: dict[str, torch.Tensor] = {}
-ROWS_LOCK = threading.Lock()
-#: Rows kept for a caller that never fetches them (a lost or aborted request) are dropped, oldest
-#: first, beyond this many.
-MAX_KEPT_ROWS = 8192
-
-WRITING = -1  #: flag value while a slot is being written
-
-
-#: Ids a fingerprint reads: the last ones and as many spread over the context.
-FINGERPRINT_SAMPLE = 32
-
-
-def fingerprint_positions(length: int) -> list[int]:
-    """The positions of a context of ``length`` tokens that :func:`context_fingerprint` reads."""
-    return [*range(0, length, length // FINGERPRINT_SAMPLE + 1), *range(max(0, length - FINGERPRINT_SAMPLE), length)]
-
-
-def context_fingerprint(token_ids: Sequence[int]) -> list[int]:
-    """``[length, hash]`` of a context, the hash of the ids at :func:`fingerprint_positions` (ints
-    hash alike in every process): what the engine checks a request runs on, in time independent of
-    the context's length. Rows are matched by tag; this catches a request run on another context."""
-    return [len(token_ids), hash(tuple(token_ids[i] for i in fingerprint_positions(len(token_ids))))]
+ROWS_WRITTEN = 0  #: rows this process has written (on the writing rank), for genlm_where
+_segments: dict[str, Segment] = {}
 
 
 def is_row_writer() -> bool:
@@ -92,46 +77,11 @@ def is_row_writer() -> bool:
     return tp.rank_in_group == 0 and pp.is_last_rank
 
 
-class Segment:
-    """A caller-owned shared-memory file of ``n`` slots: ``n`` int64 flags, then ``n`` float32 rows."""
-
-    def __init__(self, path: str, n: int, width: int, create: bool = False):
-        self.path, self.n, self.width = path, n, width
-        size = n * 8 + n * width * 4
-        if create:
-            with open(path, "xb") as f:
-                f.truncate(size)
-        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.flags = raw[: n * 8].view(torch.int64)
-        self.data = raw[n * 8 :].view(torch.float32).view(n, width)
-
-    def write(self, index: int, seq: int, row: torch.Tensor) -> None:
-        """Seqlock write: mark the slot busy, copy the row (at most ``width`` entries), then publish
-        the request's number."""
-        self.flags[index] = WRITING
-        row = row[: self.width]
-        self.data[index, : row.shape[0]].copy_(row)
-        self.flags[index] = seq
-
-
-_segments: dict[str, Segment] = {}
-ROWS_WRITTEN = 0  #: rows this process has written (on the writing rank), for genlm_where
-
-
 def _segment(path: str, n: int, width: int) -> Segment:
     segment = _segments.get(path)
     if segment is None:
         segment = _segments[path] = Segment(path, n, width)
     return segment
-
-
-def _keep(tag: str, row: torch.Tensor) -> None:
-    with ROWS_LOCK:
-        ROWS[tag] = row
-        while len(ROWS) > MAX_KEPT_ROWS:
-            dropped = next(iter(ROWS))
-            del ROWS[dropped]
-            log.warning("genlm-vllm: dropped the uncollected row of request %s", dropped)
 
 
 def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -> None:
@@ -155,7 +105,7 @@ def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -
         for (args, _), row in zip(group, rows, strict=True):
             slot = args.get(SLOT)
             if slot is None:
-                _keep(args[TAG], row)
+                mailbox.keep(args[TAG], row)
             else:
                 path, n, slot_width, slot_index, seq = slot
                 _segment(path, n, slot_width).write(slot_index, seq, row)
@@ -168,6 +118,7 @@ class CaptureLogits(V1LogitsProcessor):
     moved); the row kept is the one produced while the request has no output token yet."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
+        apply_cpu_fixes()  # the engine starts in this process: its model runner builds us first
         #: batch index -> (extra args, output ids), for tagged requests whose context is the one asked for
         self.slots: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self.writer: bool | None = None  # decided at the first row: process groups exist by then
@@ -224,6 +175,7 @@ class CaptureLogitsV2(V2LogitsProcessor):
     rows too), taken once. Token history lives on the device; the context's hash is checked there."""
 
     def __init__(self, vllm_config: Any, req_states: LogitsProcRequestState):
+        apply_cpu_fixes()  # the engine starts in this process: its model runner builds us first
         self.req_states = req_states
         self.wanted: dict[int, _Wanted] = {}  # slot -> the row this request wants
         self.writer: bool | None = None
@@ -272,10 +224,6 @@ class CaptureLogitsV2(V2LogitsProcessor):
         return False
 
 
-#: The processor for each model runner, by the name vLLM loads it with in every process.
-PROCESSORS = {"v1": "genlm_vllm.capture:CaptureLogits", "v2": "genlm_vllm.capture:CaptureLogitsV2"}
-
-
 def _context_matches(args: dict[str, Any], prompt: list[int] | None) -> bool:
     """Whether the request runs on the context its tag was issued for (when the tag says which)."""
     expected = args.get(CONTEXT)
@@ -299,10 +247,7 @@ class RowsExtension:
         ``(found tags, row width, bytes)`` from the writing rank, None from the others."""
         if not is_row_writer():
             return None
-        with ROWS_LOCK:
-            for tag in discard:
-                ROWS.pop(tag, None)
-            found = [(tag, ROWS.pop(tag)) for tag in tags if tag in ROWS]
+        found = mailbox.take(tags, discard)
         if not found:
             return [], 0, b""
         rows = torch.stack([row for _, row in found])
@@ -310,7 +255,7 @@ class RowsExtension:
 
     def genlm_kept_rows(self) -> int | None:
         """How many rows wait to be fetched on the writing rank (None elsewhere); for tests."""
-        return len(ROWS) if is_row_writer() else None
+        return mailbox.waiting() if is_row_writer() else None
 
     def genlm_where(self) -> dict[str, Any]:
         """This worker's process, host, node address and ranks, and how its tensor- and

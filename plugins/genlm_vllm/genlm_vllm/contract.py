@@ -29,12 +29,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-#: vLLM classes genlm-vllm subclasses (source file, class) -> our class ("module:Class").
+from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, PROCESSORS
+
+#: vLLM classes genlm-vllm subclasses (source file, class) -> our class ("module:Class", as vLLM loads it).
 SUBCLASSES = {
-    ("v1/sample/logits_processor/interface.py", "LogitsProcessor"): "genlm_vllm.capture:CaptureLogits",
-    ("v1/worker/gpu/sample/logits_processor/interface.py", "LogitsProcessor"): "genlm_vllm.capture:CaptureLogitsV2",
-    ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1"): "genlm_vllm.forks:ForkConnector",
-    ("distributed/kv_transfer/kv_connector/v1/base.py", "SupportsHMA"): "genlm_vllm.forks:ForkConnector",
+    ("v1/sample/logits_processor/interface.py", "LogitsProcessor"): PROCESSORS["v1"],
+    ("v1/worker/gpu/sample/logits_processor/interface.py", "LogitsProcessor"): PROCESSORS["v2"],
+    ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1"): f"{CONNECTOR_MODULE}:{CONNECTOR}",
+    ("distributed/kv_transfer/kv_connector/v1/base.py", "SupportsHMA"): f"{CONNECTOR_MODULE}:{CONNECTOR}",
 }
 
 

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+from genlm_vllm import vllm_api
 from genlm_vllm.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -56,16 +57,14 @@ def threads_bind(ranks: int, cores: list[int]) -> str:
 def engine_env(lay: Layout, runner: str | None = None) -> dict[str, str]:
     """Environment variables the engine (and the processes it spawns) must start with; ``runner``
     ("v1" or "v2") pins vLLM's model runner in all of them."""
-    from genlm_vllm.vllm_api import on_cpu_build, runner_env
-
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if lay.multiprocess else "0"}
     if runner is not None:
-        env.update(runner_env(runner))
+        env.update(vllm_api.runner_env(runner))
     if lay.ray and (address := lay.ray_address or _connected_ray_address()):
         env["RAY_ADDRESS"] = address  # an engine core in its own process joins the same cluster
     if lay.spawns:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # forking a process that holds threads is unsafe
-        if on_cpu_build() and not lay.ray:
+        if vllm_api.on_cpu_build() and not lay.ray:
             bind = os.environ.get(BIND)
             if bind is None or bind == "auto":  # vLLM's auto binding needs one NUMA node per rank
                 env[BIND] = threads_bind(lay.world_size, allowed_cores())
@@ -96,10 +95,8 @@ def engine_start(lay: Layout, runner: str | None = None) -> Iterator[None]:
     :func:`hidden_from_vllm_kernel_scan`."""
     import torch
 
-    from genlm_vllm.vllm_api import disable_settings_cache
-
     env = engine_env(lay, runner)
-    disable_settings_cache()
+    vllm_api.disable_settings_cache()
     saved = {key: os.environ.get(key) for key in env}
     threads = torch.get_num_threads()
     os.environ.update(env)

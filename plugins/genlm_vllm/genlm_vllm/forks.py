@@ -19,8 +19,11 @@ parent (:data:`FORK`), the scheduler side
 Each worker then copies those blocks, in every layer it holds, before the step's forward pass (vLLM's
 own in-place block copy, the one its sub-block prefix hits use). The parent's positions below its
 context length are never written again, and the copy runs in the same step as it is planned, so the
-parent's blocks cannot be freed in between. This module is imported wherever vLLM's scheduler or
-workers run (the engine-core process, each TP/PP or Ray worker).
+parent's blocks cannot be freed in between. vLLM imports this module by name
+(:data:`~genlm_vllm.wire.CONNECTOR_MODULE`) wherever its scheduler or workers run (the engine-core
+process, each TP/PP or Ray worker); importing it changes nothing. The caller plugs it in with
+:func:`genlm_vllm.engine_args.engine_kwargs` and names a request's parent with
+:data:`~genlm_vllm.wire.FORK`.
 """
 
 from __future__ import annotations
@@ -33,21 +36,12 @@ from genlm_vllm.vllm_api import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVTransferConfig,
     SupportsHMA,
     connector_block_ids,
     connector_metadata,
     copy_kv_blocks,
 )
-
-FORK = "genlm_fork"  #: extra_args key: the request id of the live sequence whose context this one extends
-CONNECTOR = "ForkConnector"
-MODULE = "genlm_vllm.forks"
-
-
-def kv_transfer_config() -> KVTransferConfig:
-    """vLLM's ``kv_transfer_config`` that plugs :class:`ForkConnector` in."""
-    return KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=MODULE, kv_role="kv_both")
+from genlm_vllm.wire import FORK
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 A batch of requests becomes one row-sized chunk per request of the engine's resumable sessions
 (:mod:`genlm_vllm.sessions`): a request that extends a context of the previous batch continues that
-sequence in the engine, computing only its new tokens. With ``live_sessions=False`` a batch is one
+sequence in the engine, computing only its new tokens. With ``live={'enabled': False}`` a batch is one
 plain ``generate`` (prefix caching only). Either way the capture processor
 (:mod:`genlm_vllm.capture`) copies each request's logits by tag wherever the model runs, and the row
 channel (:mod:`genlm_vllm.rows`) brings them back.
@@ -18,19 +18,15 @@ import torch
 
 from genlm_core import AutoBatcher, Request
 from genlm_vllm import vllm_api
-from genlm_vllm.driver import (
-    EngineDriver,
-    SampleCall,
-    first_token_logprobs,
-    sampling_params,
-    stack,
-    without_stop,
-)
-from genlm_vllm.environment import engine_start
+from genlm_vllm.driver import EngineDriver
+from genlm_vllm.launch import launch
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.rows import open_channel
+from genlm_vllm.rows import open_channel, stack
 from genlm_vllm.sessions import Sessions
+
+#: One ``sample`` call: (request, max_tokens, eos ids, temperature, seed).
+SampleCall = tuple[Request, int, tuple[int, ...], float, "int | None"]
 
 
 class LLMDriver(EngineDriver):
@@ -42,10 +38,10 @@ class LLMDriver(EngineDriver):
         self.rows = open_channel(
             lay,
             vllm_api.vocab_size(llm),
-            pop=lambda tags, discard: llm.collective_rpc("genlm_pop_rows", args=(tags, discard)),
+            pop=lambda tags, discard: vllm_api.collective_rpc(llm, "genlm_pop_rows", (tags, discard)),
         )
         #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
-        self.sessions = Sessions(llm) if options.sessions_in(lay) else None
+        self.sessions = Sessions(llm, options.live) if options.sessions_in(lay) else None
         self.loras = vllm_api.LoRARequests()
         self.sampler: AutoBatcher[SampleCall, list[int]] = AutoBatcher(
             self._sample_batch,
@@ -57,13 +53,9 @@ class LLMDriver(EngineDriver):
         )
 
     @classmethod
-    def start(cls, kwargs: dict[str, Any], options: VLLMOptions, lay: Layout, runner: str) -> LLMDriver:
-        """Start a ``vllm.LLM`` with engine arguments ``kwargs`` in layout ``lay``."""
-        with engine_start(lay, runner):
-            llm = vllm_api.start_llm(kwargs)
-        driver = cls(llm, options, lay)
-        driver.confirm_started(vllm_api.engine_config(llm), runner, driver.sessions is not None)
-        return driver
+    def start(cls, model: str, options: VLLMOptions, lay: Layout) -> LLMDriver:
+        """Start a ``vllm.LLM`` for ``model`` in layout ``lay``."""
+        return launch(model, options, lay, vllm_api.start_llm, lambda llm: cls(llm, options, lay))
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -85,9 +77,7 @@ class LLMDriver(EngineDriver):
                 self.batches += 1
                 self.sessions.run(requests, ticket.extra_args, [self.loras.get(r.adapter) for r in requests])
             else:
-                params = [
-                    vllm_api.SamplingParams(max_tokens=1, detokenize=False, extra_args=a) for a in ticket.extra_args
-                ]
+                params = [vllm_api.row_params(a) for a in ticket.extra_args]
                 self.generate([r.token_ids for r in requests], params, [r.adapter for r in requests], cache_salt)
             rows = self.rows.collect(ticket)
             finished = True
@@ -126,19 +116,19 @@ class LLMDriver(EngineDriver):
         return await self.sampler.submit(object(), (request, max_tokens, eos, temperature, seed))
 
     def _sample_batch(self, calls: list[SampleCall]) -> list[list[int]]:
-        params = [sampling_params(*call[1:]) for call in calls]
+        params = [vllm_api.sample_params(*call[1:]) for call in calls]
         with self.lock:
             outputs = self.generate([r.token_ids for r, *_ in calls], params, [r.adapter for r, *_ in calls])
-        return [without_stop(out.outputs[0].token_ids, call[2]) for call, out in zip(calls, outputs)]
+        return [vllm_api.sampled_tokens(out, call[2]) for call, out in zip(calls, outputs)]
 
     def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
-        params = [vllm_api.SamplingParams(max_tokens=1, logprobs=k, detokenize=False) for _ in contexts]
+        params = [vllm_api.top_params(k) for _ in contexts]
         with self.lock:
             outputs = self.generate(contexts, params, [None] * len(contexts))
-        return [first_token_logprobs(out) for out in outputs]
+        return [vllm_api.first_token_logprobs(out) for out in outputs]
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return list(self.engine.collective_rpc(method, args=args))
+        return vllm_api.collective_rpc(self.engine, method, args)
 
     def load_lora(self, name: str, path: str) -> None:
         self.loras.add(name, path)
@@ -149,7 +139,7 @@ class LLMDriver(EngineDriver):
 
     def reset_prefix_cache(self) -> None:
         self.release_sessions()  # parked sessions hold blocks: the prefix cache cannot be reset under them
-        self.engine.reset_prefix_cache()
+        vllm_api.reset_prefix_cache(self.engine)
 
     def shutdown(self) -> None:
         self.sampler.close()

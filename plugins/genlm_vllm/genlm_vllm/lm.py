@@ -1,14 +1,14 @@
 """``AsyncVirtualLM``: vLLM behind the AsyncLM protocol, full-vocabulary logprobs from inside the engine.
 
-Where a request goes::
+Where a request goes (every step but the two driver calls is core's :class:`~genlm_core.AsyncLM`)::
 
     lm.next_token_logprobs(ids)          # core: validate, output cache
-      ├─ batching driver: AutoBatcher -> compute_rows -> driver.logits(batch)
-      └─ streaming driver (AsyncLLM):  driver.stream_logits(request), no batch barrier
-           -> rows normalised in the engine -> finish_rows (check, cache)
+      ├─ batching driver: AutoBatcher -> forward_batch -> driver.logits(batch)   (a row may be Failed)
+      └─ streaming driver (AsyncLLM):  forward_stream -> driver.stream_logits(request), no batch barrier
+           -> rows normalised in the engine (rows_normalised) -> finish_rows (check, cache)
 
 The driver (:mod:`genlm_vllm.driver`) is chosen once, from the options, by
-:func:`~genlm_vllm.driver.start_driver`:
+:func:`~genlm_vllm.selector.start_driver`:
 
 - ``vllm.LLM`` (:class:`~genlm_vllm.llm_driver.LLMDriver`): in-process, multiprocess, TP/PP, Ray;
   particles stay alive in the engine as sessions;
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from genlm_core import AsyncLM, BatcherError, LoRASelection, Request, Tokenizer
-from genlm_core.batching import Failed
+from genlm_core import AsyncLM, BatcherError, LoRASelection, Request, RowsOut, Tokenizer
 from genlm_core.hub import resolve_model
-from genlm_vllm.driver import EngineDriver, start_driver
+from genlm_vllm.driver import EngineDriver
 from genlm_vllm.options import VLLMOptions
+from genlm_vllm.selector import start_driver
 
 
 class AsyncVirtualLM(LoRASelection, AsyncLM):
@@ -44,7 +44,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
     options: VLLMOptions
 
     def __init__(self, driver: EngineDriver, tokenizer: Tokenizer, options: VLLMOptions | None = None, **kwargs: Any):
-        """``driver``: a started engine (see :func:`~genlm_vllm.driver.start_driver`)."""
+        """``driver``: a started engine (see :func:`~genlm_vllm.selector.start_driver`)."""
         super().__init__(tokenizer, options, **kwargs)
         self.driver = driver
         self.model_lock = driver.lock  # the engine is not thread-safe: one lock for every use of it
@@ -75,45 +75,23 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
     # ---- logprobs -------------------------------------------------------------------------------
 
-    async def request_logprobs(self, request: Request) -> torch.Tensor:
-        if not self.driver.streams:
-            return await super().request_logprobs(request)
-        cached = self.cache.get(request)
-        if cached is not None:
-            return cached
-        self.ensure_open()
-        logits = await self.driver.stream_logits(request)
-        row = self.finish_rows([request], logits[None], self.driver.rows_normalised)[0]
-        if isinstance(row, Failed):
-            raise row.error
-        return row
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        """Whether requests stream into the engine (AsyncLLM) rather than going through the batcher."""
+        return self.driver.streams
 
-    def compute_rows(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
-        with self.model_lock:
-            out = self.driver.logits(requests)
-        normalised = self.driver.rows_normalised
-        if isinstance(out, torch.Tensor):
-            return self.finish_rows(requests, out, normalised)
-        done = [i for i, row in enumerate(out) if not isinstance(row, Failed)]
-        rows: list[torch.Tensor | Failed] = list(out)
-        if done:
-            finished = self.finish_rows(
-                [requests[i] for i in done],
-                torch.stack([out[i] for i in done]),  # type: ignore[misc]
-                normalised,
-            )
-            for i, row in zip(done, finished, strict=True):
-                rows[i] = row
-        return rows
+    @property
+    def rows_normalised(self) -> bool:  # type: ignore[override]
+        """Whether the engine hands back rows it normalised where it computed them."""
+        return self.driver.rows_normalised
 
-    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
-        out = self.driver.logits(requests)
-        if isinstance(out, torch.Tensor):
-            return out
-        for row in out:
-            if isinstance(row, Failed):
-                raise row.error
-        return torch.stack(out)  # type: ignore[arg-type]
+    def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
+        """The driver's rows for a batch; a request that failed alone (a replica's) is a ``Failed`` row."""
+        return self.driver.logits(requests)
+
+    async def forward_stream(self, request: Request) -> torch.Tensor:
+        """One request's row, streamed into the running engine (AsyncLLM)."""
+        return await self.driver.stream_logits(request)
 
     def forward_uncached(self, request: Request) -> torch.Tensor:
         """The row of one context computed alone, salted so that no cached KV block is reused: the

@@ -7,7 +7,13 @@ from typing import Any, Literal
 from pydantic import Field, PositiveInt, model_validator
 
 from genlm_core.config import BackendOptions
+from genlm_core.live import LiveOptions
 from genlm_vllm.layout import layout
+
+#: Batches in a row a parked session may go unclaimed before it is aborted, by default (a step's
+#: particles may come in several batches: the ``"eager"`` flush policy, or a program that awaits
+#: something else first).
+MAX_IDLE_BATCHES = 4
 
 
 class VLLMOptions(BackendOptions):
@@ -25,16 +31,16 @@ class VLLMOptions(BackendOptions):
     block_size: PositiveInt | None = Field(
         None,
         description="Tokens per KV block. Prefix caching reuses only whole blocks, so a context that extends no "
-        "live sequence (see live_sessions) recomputes up to a block less one. None: the "
+        "live sequence (see live) recomputes up to a block less one. None: the "
         "smallest block the engine accepts where vLLM's default is larger (32 on vLLM's CPU build, whose default "
         "is 128), else vLLM's default (16 on CUDA). engine_opts['block_size'] overrides it.",
     )
-    live_sessions: bool = Field(
-        True,
-        description="Keep each request's sequence alive in the engine (vLLM's resumable sessions) so that a request "
-        "extending it by a few tokens (a particle's next step) computes only those tokens; siblings that fork it "
-        "after resampling copy its unfinished KV block (genlm_vllm.forks). Only for engine='llm'; False: every "
-        "batch is a plain generate, with prefix caching only.",
+    live: LiveOptions = Field(
+        default_factory=lambda: LiveOptions.model_validate({"max_idle_batches": MAX_IDLE_BATCHES}),
+        description="Keep each request's sequence alive in the engine (vLLM's resumable sessions, as core's live "
+        "sequences) so that a request extending it by a few tokens (a particle's next step) computes only those "
+        "tokens; siblings that fork it after resampling copy its unfinished KV block (genlm_vllm.forks). Only for "
+        "engine='llm'; enabled=False: every batch is a plain generate, with prefix caching only.",
     )
     rows_on_device: bool = Field(
         False,
@@ -81,7 +87,7 @@ class VLLMOptions(BackendOptions):
     async_scheduling: bool | None = Field(
         None,
         description="vLLM's async scheduling (it schedules step N+1 while step N runs). None: off for live "
-        "sessions (engine='llm' with live_sessions): a session's next chunk exists only once the program has read "
+        "sessions (engine='llm' with live.enabled): a session's next chunk exists only once the program has read "
         "this step's row, so there is no step to overlap, and vLLM's scheduling ahead of outputs has not been "
         "verified with parked sessions and fork copies (vLLM's CPU build always turns it off); vLLM's default "
         "otherwise (on, on CUDA: AsyncLLM and plain generate send one-token requests, which vLLM never schedules "
@@ -95,10 +101,10 @@ class VLLMOptions(BackendOptions):
         if self.sessions_in(lay) and (self.async_scheduling or self.engine_opts.get("async_scheduling")):
             raise ValueError(
                 "async_scheduling=True cannot run live sessions (they wait for each step's row before the next "
-                "chunk exists): set live_sessions=False, or engine='async'"
+                "chunk exists): set live={'enabled': False}, or engine='async'"
             )
         return self
 
     def sessions_in(self, lay: Any) -> bool:
         """Whether an engine laid out as ``lay`` keeps particles alive as vLLM sessions."""
-        return self.live_sessions and not lay.streaming
+        return self.live.enabled and not lay.streaming

@@ -15,6 +15,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def default_priority() -> int:
+    """The default backend with CUDA (above genlm-hf's 10); without it, only when nothing ranks higher."""
+    import torch
+
+    return 20 if torch.cuda.is_available() else 0
+
+
 @hookimpl
 def register_backends(register: Register) -> None:
     register.backend(
@@ -25,4 +32,6 @@ def register_backends(register: Register) -> None:
         description="vLLM (CUDA with either model runner, or its CPU build); logits captured inside the engine.",
         check=unavailable_reason,
         details="genlm_vllm.layout:modes_here",
+        default_priority=default_priority,
+        install=INSTALL,
     )

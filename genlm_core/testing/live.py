@@ -1,0 +1,90 @@
+"""The randomised check that an engine keeps particles alive correctly (core's :mod:`genlm_core.live`).
+
+One particle program runs on any backend whose rows come from a :class:`~genlm_core.live.LiveSequences`:
+particles continue their contexts, resample (siblings fork), go back to older contexts, repeat a context
+the engine computed before, and cancel requests mid-flight. Every row served must equal the backend's
+uncached row of the same context, and once the live sequences are released the engine must hold none.
+A third party runs it on its own engine::
+
+    from genlm_core.testing.live import check_live_sequences
+
+    stats = check_live_sequences(lm, lm.sequences, in_use=lambda: len(engine.held))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from genlm_core.live import LiveSequences, LiveStats
+from genlm_core.lm import AsyncLM
+
+Served = dict[tuple[int, ...], torch.Tensor]
+
+
+async def particle_program(lm: AsyncLM, particles: int = 12, steps: int = 60, seed: int = 0) -> Served:
+    """Every row served to a particle program that continues, forks, goes back, repeats and cancels."""
+    rng = random.Random(seed)
+    vocab = lm.vocab_size
+    contexts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 12))] for _ in range(particles)]
+    served: Served = {}
+    for step in range(steps):
+        asked = [list(c) for c in contexts]
+        if step % 9 == 4:  # a context computed before, asked again past the output cache
+            lm.cache.clear()
+            asked.append(list(rng.choice(list(served))))
+        tasks = [asyncio.ensure_future(lm.next_token_logprobs(c)) for c in asked]
+        cancelled = set(rng.sample(range(particles), 2)) if step % 7 == 3 else set()
+        await asyncio.sleep(0)  # submitted: the batch is on its way
+        for i in cancelled:
+            tasks[i].cancel()
+        rows = await asyncio.gather(*tasks, return_exceptions=True)
+        for i, (context, row) in enumerate(zip(asked, rows, strict=True)):
+            if isinstance(row, BaseException):
+                if i in cancelled and isinstance(row, asyncio.CancelledError):
+                    continue  # asks again next step
+                raise row
+            served[tuple(context)] = row
+            if i < particles:
+                draw = torch.Generator().manual_seed(seed * 100_003 + step * 97 + i)
+                contexts[i].append(int(torch.multinomial(row.exp().double(), 1, generator=draw)))
+        if step % 5 == 4:  # resample: siblings share a parent
+            contexts = [list(contexts[rng.randrange(particles)]) for _ in range(particles)]
+        if step % 11 == 6:  # one particle goes back to an older context
+            c = contexts[rng.randrange(particles)]
+            del c[max(1, len(c) - rng.randint(2, 6)) :]
+    return served
+
+
+def check_live_sequences(
+    lm: AsyncLM,
+    live: LiveSequences[Any, Any],
+    in_use: Callable[[], int],
+    *,
+    particles: int = 12,
+    steps: int = 60,
+    seed: int = 0,
+    atol: float = 1e-4,
+) -> LiveStats:
+    """Run :func:`particle_program` on ``lm`` and assert that every row equals
+    ``lm.next_token_logprobs_uncached`` of its context (within ``atol``), that rows were continued,
+    forked and computed fresh, and that after ``live.release_all()`` the engine holds no sequence
+    (``in_use()``: how many it holds). Returns the stats of the program."""
+    before = LiveStats(**live.stats.as_dict())
+    served = asyncio.run(particle_program(lm, particles, steps, seed))
+    worst, where = 0.0, 0
+    for context, row in served.items():
+        gap = (row - lm.next_token_logprobs_uncached(list(context))).abs().max().item()
+        if not gap <= worst:  # NaN too
+            worst, where = gap, len(context)
+    assert worst <= atol, f"row of a context of {where} tokens is {worst} from the uncached row"
+    stats = LiveStats(**{k: v - getattr(before, k) for k, v in live.stats.as_dict().items()})
+    assert stats.rows == stats.continued + stats.forked + stats.copied + stats.fresh, stats
+    assert stats.continued > 0 and stats.forked > 0 and stats.fresh > 0, f"a path never ran: {stats}"
+    live.release_all()
+    assert len(live) == 0 and in_use() == 0, f"{in_use()} sequences still held after release_all()"
+    return stats

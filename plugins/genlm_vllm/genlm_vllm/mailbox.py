@@ -1,0 +1,55 @@
+"""Rows captured in this process and not yet taken, by tag: where the capture processor leaves a row
+that no shared-memory slot was given for.
+
+The processor (:mod:`genlm_vllm.capture`) puts rows here in whichever process writes them; an
+in-process caller takes them directly (:class:`~genlm_vllm.rows.LocalRows`), a remote one through
+``collective_rpc`` (:class:`~genlm_vllm.capture.RowsExtension`). Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+#: Rows waiting to be taken, by tag; bounded by :data:`MAX_KEPT_ROWS`.
+ROWS: dict[str, torch.Tensor] = {}
+ROWS_LOCK = threading.Lock()
+#: Rows kept for a caller that never takes them (a lost or aborted request) are dropped, oldest
+#: first, beyond this many.
+MAX_KEPT_ROWS = 8192
+
+
+def keep(tag: str, row: torch.Tensor) -> None:
+    """Leave ``row`` for the caller of request ``tag``."""
+    with ROWS_LOCK:
+        ROWS[tag] = row
+        while len(ROWS) > MAX_KEPT_ROWS:
+            dropped = next(iter(ROWS))
+            del ROWS[dropped]
+            log.warning("genlm-vllm: dropped the uncollected row of request %s", dropped)
+
+
+def take(tags: Sequence[str], discard: Sequence[str] = ()) -> list[tuple[str, torch.Tensor]]:
+    """Drop the rows of ``discard``, then take those of ``tags`` that are here: ``(tag, row)`` pairs."""
+    with ROWS_LOCK:
+        for tag in discard:
+            ROWS.pop(tag, None)
+        return [(tag, ROWS.pop(tag)) for tag in tags if tag in ROWS]
+
+
+def drop(tags: Sequence[str]) -> None:
+    """Forget the rows of ``tags`` (a failed batch's)."""
+    with ROWS_LOCK:
+        for tag in tags:
+            ROWS.pop(tag, None)
+
+
+def waiting() -> int:
+    """How many rows wait to be taken."""
+    with ROWS_LOCK:
+        return len(ROWS)

@@ -1,0 +1,85 @@
+"""What crosses from the caller into vLLM's processes and back: names, keys and the slot file.
+
+Both sides import this module: the caller (:mod:`genlm_vllm.rows`, :mod:`genlm_vllm.sessions`, the
+engine arguments) and the engine's processes (:mod:`genlm_vllm.capture`, :mod:`genlm_vllm.forks`). It
+imports neither vLLM nor anything that does, and does nothing at import.
+
+- The ``extra_args`` keys a request carries into the engine (:data:`TAG`, :data:`SLOT`,
+  :data:`CONTEXT`, :data:`NORMALISE`, :data:`ON_DEVICE`, :data:`FORK`).
+- The names vLLM loads our engine-side code by, in each of its processes (:data:`PROCESSORS`,
+  :data:`EXTENSION`, :data:`CONNECTOR` in :data:`CONNECTOR_MODULE`).
+- A context's fingerprint (:func:`context_fingerprint`), which the engine checks a request runs on.
+- :class:`Segment`, the shared-memory file of row slots the caller owns and the engine writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# ---- extra_args keys ------------------------------------------------------------------------------
+
+TAG = "genlm_capture"  #: the request's tag (a string): its row is captured and matched by it
+SLOT = "genlm_slot"  #: [segment path, slots in segment, width, slot index, sequence number]
+CONTEXT = "genlm_context"  #: (optional) the :func:`context_fingerprint` the row must be for
+NORMALISE = "genlm_normalise"  #: (optional) normalise the row over this many first columns
+ON_DEVICE = "genlm_on_device"  #: (optional, in-process engines) keep the row on the model's device
+FORK = "genlm_fork"  #: the request id of the live sequence whose context this one extends
+
+# ---- the names vLLM loads our code by -------------------------------------------------------------
+
+#: The capture processor for each model runner (their interfaces differ), as ``module:Class``.
+PROCESSORS = {"v1": "genlm_vllm.capture:CaptureLogits", "v2": "genlm_vllm.capture:CaptureLogitsV2"}
+#: Mixed into vLLM's workers (``worker_extension_cls``: vLLM wants a dotted path here).
+EXTENSION = "genlm_vllm.capture.RowsExtension"
+#: The KV connector that lets forks copy their parent's unfinished block (``kv_transfer_config``).
+CONNECTOR = "ForkConnector"
+CONNECTOR_MODULE = "genlm_vllm.forks"
+
+# ---- context fingerprints -------------------------------------------------------------------------
+
+#: Ids a fingerprint reads: the last ones and as many spread over the context.
+FINGERPRINT_SAMPLE = 32
+
+
+def fingerprint_positions(length: int) -> list[int]:
+    """The positions of a context of ``length`` tokens that :func:`context_fingerprint` reads."""
+    return [*range(0, length, length // FINGERPRINT_SAMPLE + 1), *range(max(0, length - FINGERPRINT_SAMPLE), length)]
+
+
+def context_fingerprint(token_ids: Sequence[int]) -> list[int]:
+    """``[length, hash]`` of a context, the hash of the ids at :func:`fingerprint_positions` (ints
+    hash alike in every process): what the engine checks a request runs on, in time independent of
+    the context's length. Rows are matched by tag; this catches a request run on another context."""
+    return [len(token_ids), hash(tuple(token_ids[i] for i in fingerprint_positions(len(token_ids))))]
+
+
+# ---- the shared-memory slot file ------------------------------------------------------------------
+
+WRITING = -1  #: a slot's flag while its row is being written
+
+
+class Segment:
+    """A caller-owned shared-memory file of ``n`` slots: ``n`` int64 flags, then ``n`` float32 rows.
+
+    The caller creates it (``create=True``) and reads rows; the engine's writing rank opens it by
+    path and writes them (:meth:`write`)."""
+
+    def __init__(self, path: str, n: int, width: int, create: bool = False):
+        self.path, self.n, self.width = path, n, width
+        size = n * 8 + n * width * 4
+        if create:
+            with open(path, "xb") as f:
+                f.truncate(size)
+        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        self.flags = raw[: n * 8].view(torch.int64)
+        self.data = raw[n * 8 :].view(torch.float32).view(n, width)
+
+    def write(self, index: int, seq: int, row: torch.Tensor) -> None:
+        """Seqlock write: mark the slot busy, copy the row (at most ``width`` entries), then publish
+        the request's number."""
+        self.flags[index] = WRITING
+        row = row[: self.width]
+        self.data[index, : row.shape[0]].copy_(row)
+        self.flags[index] = seq
