@@ -249,14 +249,11 @@ class LiveSequences(Generic[H, R]):
         plan, idle = self.live.plan(requests)
         self._drop(idle)
         batch = [c.handle for c in plan if c is not None and not c.fork]  # every sequence the batch uses
-        self._make_room(requests, batch)
+        # what stays held once the batch runs: the live sequences nobody claimed, then each piece's
+        sequences, tokens = self._make_room(requests, batch)
         pieces: list[Piece[H]] = []
         kinds: list[str] = []  # how each piece was placed, counted once the batch ran
         try:
-            # what stays held once the batch runs: the live sequences nobody claimed, then each piece's
-            claimed = set(batch)
-            sequences = len(self._held) - len(claimed)
-            tokens = sum(len(r.token_ids) for seq, r in self._held.items() if seq not in claimed)
             for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
                 n = len(request.token_ids)
                 keep = (continuation is not None and not continuation.fork) or self.engine.room(
@@ -350,22 +347,26 @@ class LiveSequences(Generic[H, R]):
 
     # ---- room ----------------------------------------------------------------------------------
 
-    def _make_room(self, requests: Sequence[Request], batch: Sequence[H]) -> None:
+    def _make_room(self, requests: Sequence[Request], batch: Sequence[H]) -> tuple[int, int]:
         """Evict unclaimed live sequences, oldest first, until the batch fits beside the rest (for
-        engines that say how much they hold) and at most ``max_sequences`` would stay live."""
+        engines that say how much they hold) and at most ``max_sequences`` would stay live. Returns the
+        sequences and tokens the unclaimed ones that stay hold."""
         cap = self.options.max_sequences
         claimed = set(batch)
-        sequences = len(self._held) - len(claimed) + len(requests)
-        tokens = sum(len(r.token_ids) for r in requests)
-        tokens += sum(len(r.token_ids) for seq, r in self._held.items() if seq not in claimed)
-        while not (self.engine.room(sequences, tokens) and (cap is None or sequences <= cap)):
+        parked = len(self._held) - len(claimed)
+        held = sum(len(r.token_ids) for seq, r in self._held.items() if seq not in claimed)
+        asked = sum(len(r.token_ids) for r in requests)
+        while not (
+            self.engine.room(parked + len(requests), held + asked) and (cap is None or parked + len(requests) <= cap)
+        ):
             seq = self.live.evict()
             if seq is None:
-                return
-            held = self._held.get(seq)
-            sequences, tokens = sequences - 1, tokens - (0 if held is None else len(held.token_ids))
+                break
+            request = self._held.get(seq)
+            parked, held = parked - 1, held - (0 if request is None else len(request.token_ids))
             self.stats.evicted += 1
             self._drop([seq])
+        return parked, held
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
