@@ -12,24 +12,32 @@ in a plugin) computes only ``[t]`` for it. Everything but the engine's own primi
   *fresh* sequence computed from the start;
 - **room**: sequences nobody continued stay live, oldest first in line to be evicted when the engine
   says it has no room (before the batch, for a sequence id, or in the middle of running it);
-- **failure**: a batch the engine cannot hold even with every other sequence evicted is computed one
+- **failure**: a batch the engine cannot hold even with every other sequence evicted (too few
+  sequences for the batch size, too little memory) is split into batches it can hold, down to one
   request at a time; a row that failed, or a batch that raised, leaves none of its sequences live.
   Nothing here can make a wrong row: a sequence holds exactly the tokens recorded for it, or none;
 - **one options model** (:class:`LiveOptions`) and **one stats type** (:class:`LiveStats`).
 
 An engine implements :class:`LiveEngine`: take a sequence, release sequences, copy a prefix of one
-into another, run a batch of :class:`Piece` s, and (optionally) say how much it can hold. Then::
+into another, run a batch of :class:`Piece` s, and (optionally) say how much it can hold and how many
+positions it evaluated. Then::
 
     live = LiveSequences(MyEngine(...), LiveOptions(lookback=1))
     def forward_batch(self, requests):  # the backend's
         return live.run(requests).rows()
+
+The backend must also override :meth:`~genlm_core.lm.AsyncLM.forward_uncached` with a forward pass
+that shares nothing with the live path (a fresh sequence computed from its first token, or the
+model's plain forward): AsyncLM's default runs :meth:`~genlm_core.lm.AsyncLM.forward_batch`, which
+here *is* the live path, and :func:`genlm_core.testing.live.check_live_sequences` refuses a reference
+that cannot tell a wrong live row from a right one.
 """
 
 from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Generic, TypeVar
 
@@ -70,17 +78,18 @@ class LiveOptions(BaseModel):
 
 @dataclass
 class LiveStats:
-    """What the live sequences computed, the same for every engine (``rows`` = ``continued + forked +
-    copied + fresh``)."""
+    """What the live sequences computed, the same for every engine. ``rows`` = ``continued + forked +
+    copied + fresh`` always: a row is counted once the engine ran it (a batch that raised counts
+    none, a batch split in parts counts each row once)."""
 
-    batches: int = 0
-    rows: int = 0
+    batches: int = 0  #: batches asked of :meth:`LiveSequences.run` (a split batch counts once)
+    rows: int = 0  #: rows the engine ran
     continued: int = 0  #: rows that extended a live sequence in place
     forked: int = 0  #: rows that extended a copy of a sequence another row of the batch continued
     copied: int = 0  #: rows that started from a prefix copied from a live sequence
     fresh: int = 0  #: rows computed from the start of their context
     evicted: int = 0  #: live sequences released to make room
-    alone: int = 0  #: rows computed one at a time because their batch did not fit
+    alone: int = 0  #: rows run in a part of their batch, because the engine could not hold it whole
     tokens_computed: int = 0  #: tokens the engine ran for rows
     tokens_copied: int = 0  #: positions taken from live sequences instead of computed
     tokens_cached: int = 0  #: positions an engine's own prefix cache served
@@ -90,15 +99,22 @@ class LiveStats:
 
 
 class NoRoom(RuntimeError):
-    """The engine cannot hold a batch even with every other sequence released."""
+    """The engine cannot hold a batch even with every other sequence released. ``fits``: how many
+    requests it could hold at once, when known (core then splits the batch in parts of that size)."""
+
+    def __init__(self, message: str, fits: int | None = None):
+        super().__init__(message)
+        self.fits = fits
 
 
 @dataclass(frozen=True)
 class Piece(Generic[H]):
     """One request of a batch as the engine runs it: ``request.token_ids[start:]`` go into sequence
     ``seq``, which holds ``request.token_ids[:start]`` already (``fresh``: taken for this batch, holding
-    only what was copied into it). ``keep``: the sequence stays live after the batch (else the engine
-    may let it go once its row is out). ``index``: the request's place in the batch."""
+    only what was copied into it). ``keep``: the sequence stays live after the batch; False: core
+    releases it (through :meth:`LiveEngine.release`) once the batch's rows are out, so the engine need
+    not keep what the run adds to it, and never releases it itself. ``index``: the request's place in
+    the batch."""
 
     index: int
     request: Request
@@ -109,7 +125,7 @@ class Piece(Generic[H]):
 
     @property
     def new_tokens(self) -> tuple[int, ...]:
-        return self.request.token_ids[self.start :]
+        return self.request.new_tokens(self.start)
 
 
 @dataclass
@@ -138,10 +154,30 @@ class Ran(Generic[R]):
 
 
 class LiveEngine(abc.ABC, Generic[H, R]):
-    """What an engine implements to keep particles alive (see the module docstring)."""
+    """What an engine implements to keep particles alive (see the module docstring).
+
+    **Who releases.** Core does, always: every sequence :meth:`take` hands out comes back through
+    :meth:`release` exactly once (a live sequence when it is evicted, idle or displaced; a ``keep=False``
+    piece's after its batch; every sequence of a batch that raised), and :meth:`release` never sees an
+    id it did not hand out, nor one already released since (an engine may treat either as a bug and
+    raise). An engine never frees a sequence on its own.
+
+    **An engine that keeps only each sequence's last state** (a recurrent model that does not store a
+    state per position) is allowed: its :meth:`copy` returns True only for a ``length`` equal to
+    everything the source holds (what a fork copies: a sibling's parent, copied before the batch
+    extends it) and False for a shorter prefix. Set :attr:`copies_any_prefix` False so that core looks
+    only for the copies siblings need. The cost: a particle that goes back, a sibling whose row
+    comes in a later batch than its parent's, and a repeated context are computed from their first
+    token (``fresh``) instead of copied; continued and forked rows still cost their new tokens only.
+
+    **The reference.** The backend that runs this engine must override
+    :meth:`~genlm_core.lm.AsyncLM.forward_uncached` with a forward pass that does not use it (or uses
+    only a fresh sequence computed from the first token, as :meth:`LiveSequences.uncached` does).
+    """
 
     #: Copies of any prefix are worth making (a shared-cell copy); False: only the copies that
-    #: siblings need (a context less its last few tokens), as an engine with a prefix cache of its own.
+    #: siblings need (a context less its last few tokens), as an engine with a prefix cache of its own
+    #: or one that keeps only each sequence's last state.
     copies_any_prefix: bool = True
 
     @abc.abstractmethod
@@ -167,6 +203,16 @@ class LiveEngine(abc.ABC, Generic[H, R]):
         """Whether ``sequences`` sequences holding ``tokens`` tokens in all fit at once (the batch's and
         the live ones). Engines that find out while running (``make_room``) keep the default."""
         return True
+
+    def evaluated_tokens(self) -> int | None:
+        """Positions the model has evaluated for this engine in all, counted where the model evaluates
+        them rather than from the pieces; None (the default): not counted.
+        :func:`~genlm_core.testing.live.check_live_sequences` compares it with
+        :attr:`LiveStats.tokens_computed`, so that a copy that recomputes its prefix, or a
+        continuation that recomputes its context, fails the check instead of passing as copied. (A
+        run that raises :class:`NoRoom` should raise before evaluating anything: work it threw
+        away counts here and in no stat.)"""
+        return None
 
     def join(self, parts: Sequence[R]) -> R:
         """One result of the one-request batches that :class:`LiveSequences` ran when a batch did not
@@ -200,38 +246,17 @@ class LiveSequences(Generic[H, R]):
     def run(self, requests: Sequence[Request]) -> Ran[R]:
         """The engine's rows for ``requests`` (validated, distinct), continuing live sequences where a
         request extends one; afterwards each request's sequence is live (when the options keep any).
-        ``.rows()`` of the result is what a backend's ``forward_batch`` returns."""
+        A batch the engine cannot hold at once (fewer sequences than requests, too little memory) is
+        run in parts it can hold. ``.rows()`` of the result is what a backend's ``forward_batch``
+        returns."""
         self.stats.batches += 1
-        self.stats.rows += len(requests)
-        if not self.options.enabled:
-            return self._fresh(requests)
-        try:
-            return self._run(requests)
-        except NoRoom:
-            pass
-        self.stats.alone += len(requests)
-        if not self._warned:
-            self._warned = True
-            log.warning(
-                "%s cannot hold a batch of %d rows: computing them one at a time (slower, never wrong); "
-                "give the engine more room for speed",
-                type(self.engine).__name__,
-                len(requests),
-            )
-        parts = [self._run([r]) for r in requests]
-        failed = {i: part.failed[0] for i, part in enumerate(parts) if part.failed}
-        return Ran(self.engine.join([part.value for part in parts]), failed)
+        return self._fit(requests, self._run if self.options.enabled else self._fresh)
 
     def uncached(self, request: Request) -> R:
-        """The request's row from its whole context, alone, in a sequence released afterwards."""
-        seq = self._take()
-        try:
-            pieces = [Piece(0, request, seq, 0, True, keep=False)]
-            ran = self.engine.run(pieces, self._evict_one)
-        finally:
-            self.engine.release([seq])
-        self._count(pieces, ran)
-        return ran.value
+        """The request's row from its whole context, alone, in a fresh sequence released afterwards
+        (a live sequence is evicted if none is free): a reference a backend's ``forward_uncached``
+        may use. It counts nothing in :attr:`stats`."""
+        return self._alone(request)[1].value
 
     def release_all(self) -> None:
         """Release every live sequence."""
@@ -244,31 +269,83 @@ class LiveSequences(Generic[H, R]):
 
     # ---- a batch -----------------------------------------------------------------------------
 
-    def _run(self, requests: Sequence[Request]) -> Ran[R]:
-        """Plan, place, run, commit; raises NoRoom with none of this batch's sequences left."""
+    def _fit(
+        self, requests: Sequence[Request], runner: Callable[[Sequence[Request], bool], Ran[R]], part: bool = False
+    ) -> Ran[R]:
+        """``runner(requests, part)``; when the engine cannot hold them (NoRoom), the same in parts of
+        the size it said it holds (else halves; a part that does not fit is split again), each planned
+        on what the parts before it left live. The requests that continue a live sequence go in the
+        first parts (while their sequences are still live), when the engine's results are arrays or
+        tensors that core can put back in order. One request that does not fit alone raises NoRoom."""
+        try:
+            return runner(requests, part)
+        except NoRoom as exc:
+            if len(requests) == 1:
+                raise
+            fits = exc.fits
+        size = max(1, min(fits or (len(requests) + 1) // 2, len(requests) - 1))
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "%s cannot hold a batch of %d rows: computing it in parts of %d (slower, never wrong); "
+                "give the engine more room (sequences, memory) for speed",
+                type(self.engine).__name__,
+                len(requests),
+                size,
+            )
+        order = list(range(len(requests)))
+        if type(self.engine).join is LiveEngine.join:  # arrays or tensors: rows can be put back in order
+            held = set(self._held.values())
+            lookback = self.options.lookback
+
+            def extends_a_live_one(i: int) -> bool:
+                hit = nearest_prefix(lambda key: key if key in held else None, requests[i], lookback, shortest_cut=1)
+                return hit is not None
+
+            order.sort(key=lambda i: not extends_a_live_one(i))
+        values, failed = [], {}
+        for start in range(0, len(requests), size):
+            indices = order[start : start + size]
+            ran = self._fit([requests[i] for i in indices], runner, True)
+            values.append(ran.value)
+            failed.update({indices[i]: error for i, error in ran.failed.items()})
+        value = self.engine.join(values)
+        if order != sorted(order):
+            back = np.argsort(np.asarray(order))
+            value = value[torch.from_numpy(back) if isinstance(value, torch.Tensor) else back]  # type: ignore[index]
+        return Ran(value, failed)
+
+    def _run(self, requests: Sequence[Request], part: bool = False) -> Ran[R]:
+        """Plan, place, run, commit; raises NoRoom with none of this batch's sequences left (when
+        there are too few sequences for it, before anything runs: the live sequences stay as they
+        were)."""
         plan, idle = self.live.plan(requests)
         self._drop(idle)
-        batch = [c.handle for c in plan if c is not None and not c.fork]  # every sequence the batch uses
+        claimed = [c.handle for c in plan if c is not None and not c.fork]
         # what stays held once the batch runs: the live sequences nobody claimed, then each piece's
-        sequences, tokens = self._make_room(requests, batch)
+        sequences, tokens = self._make_room(requests, claimed)
+        # every other request takes its sequence now, before anything is copied into one
+        taken = self._take_for(sum(c is None or c.fork for c in plan), claimed)
+        batch = claimed + taken  # every sequence the batch uses
+        free = iter(taken)
         pieces: list[Piece[H]] = []
         kinds: list[str] = []  # how each piece was placed, counted once the batch ran
         try:
             for i, (request, continuation) in enumerate(zip(requests, plan, strict=True)):
-                n = len(request.token_ids)
+                n = len(request)
                 keep = (continuation is not None and not continuation.fork) or self.engine.room(
                     sequences + 1, tokens + n
                 )
                 if keep:
                     sequences, tokens = sequences + 1, tokens + n
-                piece, kind = self._place(i, request, continuation, keep, batch)
+                piece, kind = self._place(i, request, continuation, keep, free)
                 pieces.append(piece)
                 kinds.append(kind)
             ran = self.engine.run(pieces, self._evict_one)
         except BaseException:  # the batch's sequences hold unknown positions: none may stay
             self._drop(list(dict.fromkeys(batch)))
             raise
-        self._count(pieces, ran)
+        self._count(pieces, ran, part)
         for kind in kinds:
             setattr(self.stats, kind, getattr(self.stats, kind) + 1)
         failed = set(ran.failed)
@@ -281,34 +358,37 @@ class LiveSequences(Generic[H, R]):
         self._drop(dropped)
         return ran
 
-    def _fresh(self, requests: Sequence[Request]) -> Ran[R]:
-        """Every request from its whole context, in sequences released afterwards."""
-        self.stats.fresh += len(requests)
-        seqs: list[H] = []
+    def _fresh(self, requests: Sequence[Request], part: bool = False) -> Ran[R]:
+        """Every request from its whole context, in sequences released afterwards (live sequences off)."""
+        seqs = self._take_for(len(requests), [])
         try:
-            for _ in requests:
-                seqs.append(self._take())
             pieces = [Piece(i, r, seq, 0, True, keep=False) for i, (r, seq) in enumerate(zip(requests, seqs))]
-            ran = self.engine.run(pieces, lambda: False)
-        except NoRoom:
-            self.stats.alone += len(requests)
-            return Ran(self.engine.join([self.uncached(r) for r in requests]))
+            ran = self.engine.run(pieces, self._evict_one)
         finally:
-            if seqs:
-                self.engine.release(seqs)
-        self._count(pieces, ran)
+            self.engine.release(seqs)
+        self.stats.fresh += len(requests)
+        self._count(pieces, ran, part)
         return ran
 
+    def _alone(self, request: Request) -> tuple[list[Piece[H]], Ran[R]]:
+        """One request from its whole context in a sequence of its own, released afterwards."""
+        seq = self._take_for(1, [])[0]
+        try:
+            pieces = [Piece(0, request, seq, 0, True, keep=False)]
+            ran = self.engine.run(pieces, self._evict_one)
+        finally:
+            self.engine.release([seq])
+        return pieces, ran
+
     def _place(
-        self, index: int, request: Request, continuation: Continuation[H] | None, keep: bool, batch: list[H]
+        self, index: int, request: Request, continuation: Continuation[H] | None, keep: bool, free: Iterator[H]
     ) -> tuple[Piece[H], str]:
         """The piece of one request, and how it was placed (a :class:`LiveStats` field): continue its
-        live sequence, or take one (forking, copying a prefix, or empty)."""
-        n = len(request.token_ids)
+        live sequence, or fill one of the batch's free sequences (forking, copying a prefix, or empty)."""
+        n = len(request)
         if continuation is not None and not continuation.fork:
             return Piece(index, request, continuation.handle, n - len(continuation.new_tokens), False), "continued"
-        seq = self._take()
-        batch.append(seq)
+        seq = next(free)
         if continuation is not None and self.engine.copy(continuation.handle, seq, n - len(continuation.new_tokens)):
             return Piece(index, request, seq, n - len(continuation.new_tokens), True, keep), "forked"
         source = self._longest_prefix(request)
@@ -321,7 +401,7 @@ class LiveSequences(Generic[H, R]):
         least the last token to compute), or None."""
         hit = nearest_prefix(self._parents.get, request, self.options.lookback, shortest_cut=1)
         if hit is not None:
-            return hit[1], len(request.token_ids) - hit[0]
+            return hit[1], len(request) - hit[0]
         if not self.engine.copies_any_prefix or not self._arrays:
             return None
         target = np.asarray(request.token_ids, np.int64)
@@ -338,8 +418,13 @@ class LiveSequences(Generic[H, R]):
                 best, source = common, seq
         return None if source is None else (source, best)
 
-    def _count(self, pieces: Sequence[Piece[H]], ran: Ran[R]) -> None:
+    def _count(self, pieces: Sequence[Piece[H]], ran: Ran[R], part: bool) -> None:
+        """Count a batch the engine ran: its rows (``alone`` too when it was a part of a split batch)
+        and its tokens."""
         s = self.stats
+        s.rows += len(pieces)
+        if part:
+            s.alone += len(pieces)
         computed, copied = ran.tokens_computed, ran.tokens_copied
         s.tokens_computed += sum(len(p.new_tokens) for p in pieces) if computed is None else computed
         s.tokens_copied += sum(p.start for p in pieces if p.fresh) if copied is None else copied
@@ -354,8 +439,8 @@ class LiveSequences(Generic[H, R]):
         cap = self.options.max_sequences
         claimed = set(batch)
         parked = len(self._held) - len(claimed)
-        held = sum(len(r.token_ids) for seq, r in self._held.items() if seq not in claimed)
-        asked = sum(len(r.token_ids) for r in requests)
+        held = sum(len(r) for seq, r in self._held.items() if seq not in claimed)
+        asked = sum(len(r) for r in requests)
         while not (
             self.engine.room(parked + len(requests), held + asked) and (cap is None or parked + len(requests) <= cap)
         ):
@@ -363,24 +448,37 @@ class LiveSequences(Generic[H, R]):
             if seq is None:
                 break
             request = self._held.get(seq)
-            parked, held = parked - 1, held - (0 if request is None else len(request.token_ids))
+            parked, held = parked - 1, held - (0 if request is None else len(request))
             self.stats.evicted += 1
             self._drop([seq])
         return parked, held
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
-    def _take(self) -> H:
-        """An empty sequence, evicting the oldest live one while none is free."""
-        while True:
+    def _take_for(self, count: int, claimed: Sequence[H]) -> list[H]:
+        """``count`` empty sequences, evicting the oldest live ones while none is free. When the engine
+        has no more (every one is in use by this batch), raises :class:`NoRoom` saying how many the
+        batch could have held, after giving back what it took and putting ``claimed`` (live sequences
+        the batch's plan claimed; nothing ran in them) back among the live ones."""
+        taken: list[H] = []
+        while len(taken) < count:
             seq = self.engine.take()
             if seq is not None:
-                return seq
-            if not self._evict_one():
-                raise RuntimeError(
-                    f"every sequence of {type(self.engine).__name__} is in use by this batch "
-                    "(it holds fewer sequences than the batch size)"
+                taken.append(seq)
+            elif not self._evict_one():
+                if taken:
+                    self.engine.release(taken)
+                for seq in claimed:
+                    displaced = self.live.keep(self._held[seq], seq)
+                    if displaced is not None:
+                        self._drop([displaced])
+                fits = len(claimed) + len(taken)
+                raise NoRoom(
+                    f"{type(self.engine).__name__} holds {fits} sequences at once, fewer than the "
+                    f"{len(claimed) + count} this batch needs",
+                    fits=fits,
                 )
+        return taken
 
     def _evict_one(self) -> bool:
         """Release the live sequence kept longest ago; False if none is live."""
@@ -399,7 +497,7 @@ class LiveSequences(Generic[H, R]):
         self._held[seq] = request
         if self.engine.copies_any_prefix:
             self._arrays[seq] = np.asarray(request.token_ids, np.int64)
-        n = len(request.token_ids)
+        n = len(request)
         for cut in range(1, min(self.options.lookback, n - 1) + 1):
             self._parents[request.prefix(n - cut)] = seq
 
@@ -414,7 +512,7 @@ class LiveSequences(Generic[H, R]):
         self._arrays.pop(seq, None)
         if request is None:
             return
-        n = len(request.token_ids)
+        n = len(request)
         for cut in range(1, min(self.options.lookback, n - 1) + 1):
             key = request.prefix(n - cut)
             if self._parents.get(key) == seq:

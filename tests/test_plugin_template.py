@@ -61,3 +61,23 @@ def test_the_template_options_are_validated(tokenizer_dir):
 
     with pytest.raises(OptionsError, match="option 'smoothing'"):
         load_model_by_name(tokenizer_dir, backend="example", llm_opts={"smoothing": 0})
+
+
+def test_the_recurrent_template_passes_the_live_check_with_its_reference_and_not_without():
+    """The template's forward_uncached (the model's own loop) is the reference that makes the live check
+    mean something; left to AsyncLM's default (forward_batch: the live path) the check refuses to run."""
+    from genlm_core import AsyncLM
+    from genlm_core.testing.live import check_live_sequences
+    from genlm_core.testing.tokenizers import toy_tokenizer
+    from genlm_example.recurrent import RecurrentLM
+
+    lm = RecurrentLM(toy_tokenizer(), timeout=0.001)
+    stats = check_live_sequences(lm, lm.sequences, in_use=lambda: len(lm.states.held), steps=20)
+    assert stats.continued > 0 and stats.rows == stats.continued + stats.forked + stats.copied + stats.fresh
+
+    class WithoutReference(RecurrentLM):
+        forward_uncached = AsyncLM.forward_uncached
+
+    lm = WithoutReference(toy_tokenizer(), timeout=0.001)
+    with pytest.raises(TypeError, match=r"WithoutReference\.forward_uncached is AsyncLM's default"):
+        check_live_sequences(lm, lm.sequences, in_use=lambda: len(lm.states.held), steps=20)

@@ -9,6 +9,10 @@ A third party runs it on its own engine::
     from genlm_core.testing.live import check_live_sequences
 
     stats = check_live_sequences(lm, lm.sequences, in_use=lambda: len(engine.held))
+
+The backend's ``forward_uncached`` is the reference, so it must not be the live path (see
+:func:`check_reference`); an engine that implements
+:meth:`~genlm_core.live.LiveEngine.evaluated_tokens` is also checked for copies that copy.
 """
 
 from __future__ import annotations
@@ -60,6 +64,18 @@ async def particle_program(lm: AsyncLM, particles: int = 12, steps: int = 60, se
     return served
 
 
+def check_reference(lm: AsyncLM) -> None:
+    """Raise TypeError when ``lm``'s reference row is its live path: ``forward_uncached`` left to
+    AsyncLM's default, which runs ``forward_batch``. A live row checked against it cannot be wrong."""
+    if type(lm).forward_uncached is AsyncLM.forward_uncached:
+        raise TypeError(
+            f"{type(lm).__name__}.forward_uncached is AsyncLM's default, which runs forward_batch: the live path "
+            "itself, so it cannot tell a wrong live row from a right one. Override forward_uncached with a "
+            "forward pass that does not use the live sequences (the model's plain forward, or "
+            "LiveSequences.uncached: a fresh sequence computed from its first token)"
+        )
+
+
 def check_live_sequences(
     lm: AsyncLM,
     live: LiveSequences[Any, Any],
@@ -70,21 +86,52 @@ def check_live_sequences(
     seed: int = 0,
     atol: float = 1e-4,
 ) -> LiveStats:
-    """Run :func:`particle_program` on ``lm`` and assert that every row equals
-    ``lm.next_token_logprobs_uncached`` of its context (within ``atol``), that rows were continued,
-    forked and computed fresh, and that after ``live.release_all()`` the engine holds no sequence
-    (``in_use()``: how many it holds). Returns the stats of the program."""
-    before = LiveStats(**live.stats.as_dict())
+    """Run :func:`particle_program` on ``lm`` and assert that
+
+    - the stats of the program add up (``rows == continued + forked + copied + fresh``);
+    - when the engine counts what its model evaluated (:meth:`~genlm_core.live.LiveEngine.evaluated_tokens`),
+      that it equals the stats' ``tokens_computed``: a copy or a continuation that recomputes what it
+      should have kept fails here, though its rows are right;
+    - every row equals ``lm.next_token_logprobs_uncached`` of its context (within ``atol``), a
+      reference that must not be the live path: ``lm.forward_uncached`` left to AsyncLM's default is
+      refused (TypeError, before anything runs), and one that runs the live sequences fails;
+    - rows were continued, forked and computed fresh;
+    - after ``live.release_all()`` the engine holds no sequence (``in_use()``: how many it holds).
+
+    Returns the stats of the program alone (the reference rows count in none of them)."""
+    check_reference(lm)
+    engine = live.engine
+    before, evaluated = _snapshot(live), engine.evaluated_tokens()
     served = asyncio.run(particle_program(lm, particles, steps, seed))
+    with lm.model_lock:  # a batch whose every waiter was cancelled may still be running
+        after, ran = _snapshot(live), engine.evaluated_tokens()
+    stats = LiveStats(**{k: v - getattr(before, k) for k, v in after.as_dict().items()})
+    placed = stats.continued + stats.forked + stats.copied + stats.fresh
+    assert stats.rows == placed, (
+        f"the stats do not add up: rows={stats.rows} but continued+forked+copied+fresh={placed}"
+    )
+    if evaluated is not None and ran is not None:
+        assert ran - evaluated == stats.tokens_computed, (
+            f"{type(engine).__name__} evaluated {ran - evaluated} positions but the stats count "
+            f"{stats.tokens_computed} computed ({stats.tokens_copied} copied, {stats.tokens_cached} cached): a copy "
+            "or a continuation recomputed positions the stats count as copied or held"
+        )
     worst, where = 0.0, 0
     for context, row in served.items():
         gap = (row - lm.next_token_logprobs_uncached(list(context))).abs().max().item()
         if not gap <= worst:  # NaN too
             worst, where = gap, len(context)
+    touched = {k: getattr(live.stats, k) - getattr(after, k) for k in ("batches", "rows")}
+    assert not any(touched.values()), (
+        f"{type(lm).__name__}.forward_uncached ran the live sequences ({touched['batches']} batches, "
+        f"{touched['rows']} rows): the reference must not be the live path"
+    )
     assert worst <= atol, f"row of a context of {where} tokens is {worst} from the uncached row"
-    stats = LiveStats(**{k: v - getattr(before, k) for k, v in live.stats.as_dict().items()})
-    assert stats.rows == stats.continued + stats.forked + stats.copied + stats.fresh, stats
     assert stats.continued > 0 and stats.forked > 0 and stats.fresh > 0, f"a path never ran: {stats}"
     live.release_all()
     assert len(live) == 0 and in_use() == 0, f"{in_use()} sequences still held after release_all()"
     return stats
+
+
+def _snapshot(live: LiveSequences[Any, Any]) -> LiveStats:
+    return LiveStats(**live.stats.as_dict())

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genlm_core import Failed, Request
-from genlm_core.live import LiveEngine, LiveSequences, NoRoom
+from genlm_core import AsyncLM, Failed, Request
+from genlm_core.live import LiveEngine, LiveSequences, NoRoom, Ran
+from genlm_core.testing import live as live_kit
 from genlm_core.testing.live import check_live_sequences
 from genlm_core.testing.tokenizers import toy_tokenizer
 
@@ -35,6 +36,7 @@ def rows(lm, contexts):
         {"batch_size": 4, "sequences": 9},  # steps split into batches; sequence ids run out: evictions
         {"batch_size": 6, "positions": 150},  # the engine's room runs out: evictions, batches computed alone
         {"live": {"max_idle_batches": 1, "max_sequences": 8}},
+        {"batch_size": 16, "sequences": 5},  # fewer sequences than a batch: batches run in parts
     ],
 )
 def test_the_shared_particle_check_passes_on_the_toy_engine(options):
@@ -44,8 +46,11 @@ def test_the_shared_particle_check_passes_on_the_toy_engine(options):
         assert stats.evicted > 0
     else:
         assert stats.tokens_computed < 2 * stats.rows  # most rows computed one token
-    if "positions" in options:
+    if "positions" in options or options.get("sequences") == 5:
         assert stats.alone > 0
+    # the program's batches only: the reference rows ran none (they used to count one batch each)
+    per_step = -(-13 // options.get("batch_size", 32))  # 12 particles and a repeated context at most
+    assert stats.batches == lm.sequences.stats.batches <= 2 * per_step * 50
     if "batch_size" in options or "lookback" in options.get("live", {}):
         assert stats.copied > 0  # a sibling in a later batch, or a particle that went back
     lm.cleanup()
@@ -172,3 +177,184 @@ def test_a_failed_batch_or_row_leaves_no_sequence_of_it_live_and_serving_goes_on
     assert lm.sequences.stats.continued == 1
     assert torch.allclose(got[0], uncached(lm, (1, 2, 5)), atol=1e-5)
     assert torch.allclose(got[1], uncached(lm, (7, 8, 1)), atol=1e-5)
+
+
+def check(lm, steps=20):
+    return check_live_sequences(lm, lm.sequences, in_use=lambda: len(lm.states.held), steps=steps)
+
+
+def with_engine(lm, engine):
+    lm.states = engine
+    lm.sequences = LiveSequences(engine, lm.options.live)
+    return lm
+
+
+class IgnoresItsState(recurrent.StateSequences):
+    """Planted bug: a recurrent engine whose run starts every piece from the empty state, not from the
+    states its sequence holds."""
+
+    def run(self, pieces, make_room):
+        for piece in pieces:
+            states, state = self.held.setdefault(piece.seq, []), None
+            for token in piece.new_tokens:
+                state = self.model.step(state, token)
+                states.append(state)
+        return Ran(torch.stack([self.held[p.seq][-1] for p in pieces]) @ self.model.out)
+
+
+class RecomputingCopy(recurrent.StateSequences):
+    """Planted bug: copy() says it copied but keeps nothing; run() recomputes the prefix from the
+    request's tokens. Every row is right; the stats count the prefix as copied."""
+
+    def copy(self, source, target, length):
+        self.held[target] = []
+        return True
+
+    def run(self, pieces, make_room):
+        for piece in pieces:
+            states = self.held.setdefault(piece.seq, [])
+            for token in piece.request.token_ids[len(states) : piece.start]:
+                states.append(self.model.step(states[-1] if states else None, token))
+        return super().run(pieces, make_room)
+
+
+class DefaultReference(recurrent.RecurrentLM):
+    """Planted bug: the reference left to AsyncLM's default (forward_batch: the live path)."""
+
+    forward_uncached = AsyncLM.forward_uncached
+
+
+def test_planted_an_engine_that_ignores_its_state_fails_the_check():
+    lm = toy()
+    with_engine(lm, IgnoresItsState(lm, 64, None))
+    with pytest.raises(AssertionError, match=r"row of a context of \d+ tokens is .* from the uncached row"):
+        check(lm)
+
+
+def test_planted_a_copy_that_recomputes_fails_the_check():
+    lm = toy(batch_size=4)  # siblings in later batches: prefix copies
+    with_engine(lm, RecomputingCopy(lm, 64, None))
+    with pytest.raises(AssertionError, match=r"RecomputingCopy evaluated \d+ positions but the stats count \d+"):
+        check(lm)
+    lm = toy(batch_size=4)  # the same program on the honest engine passes
+    assert check(lm).tokens_copied > 0
+
+
+def test_planted_a_reference_left_to_the_default_is_refused_before_anything_runs():
+    lm = DefaultReference(toy_tokenizer(), timeout=0.001)
+    with pytest.raises(TypeError, match=r"DefaultReference\.forward_uncached is AsyncLM's default"):
+        check(lm)
+    assert lm.sequences.stats.batches == 0
+
+
+def test_planted_without_the_refusal_the_state_ignoring_engine_is_caught_by_its_reference(monkeypatch):
+    """With the default reference, the engine that ignores its state gives the same wrong rows as its
+    reference; the refusal is one guard, the reference touching the live path another."""
+    lm = DefaultReference(toy_tokenizer(), timeout=0.001)
+    with_engine(lm, IgnoresItsState(lm, 64, None))
+    monkeypatch.setattr(live_kit, "check_reference", lambda lm: None)
+    with pytest.raises(AssertionError, match=r"DefaultReference\.forward_uncached ran the live sequences"):
+        check(lm)
+
+
+class LastState(LiveEngine[int, torch.Tensor]):
+    """A recurrent engine that keeps only each sequence's last state (the rule in LiveEngine's docs):
+    it copies a whole sequence (a fork) and nothing shorter."""
+
+    copies_any_prefix = False
+
+    def __init__(self, model, sequences):
+        self.model = model
+        self.free = list(range(sequences))
+        self.held: dict[int, tuple[int, torch.Tensor | None]] = {}
+
+    def take(self):
+        return self.free.pop() if self.free else None
+
+    def release(self, seqs):
+        assert len(set(seqs)) == len(seqs) and not set(seqs) & set(self.free), seqs  # each once
+        for seq in seqs:
+            self.held.pop(seq, None)
+            self.free.append(seq)
+
+    def copy(self, source, target, length):
+        held = self.held.get(source, (0, None))
+        if length != held[0]:
+            return False
+        self.held[target] = held
+        return True
+
+    def run(self, pieces, make_room):
+        out = []
+        for piece in pieces:
+            n, state = self.held.get(piece.seq, (0, None))
+            assert n == piece.start
+            for token in piece.new_tokens:
+                state = self.model.step(state, token)
+            self.held[piece.seq] = (len(piece.request.token_ids), state)
+            out.append(state)
+        return Ran(torch.stack(out) @ self.model.out)
+
+    def evaluated_tokens(self):
+        return self.model.steps
+
+
+def test_an_engine_that_keeps_only_its_last_state_passes_and_computes_more():
+    lm = toy(batch_size=4)
+    with_engine(lm, LastState(lm, 64))
+    stats = check(lm, steps=40)
+    full = check(toy(batch_size=4), steps=40)
+    assert stats.copied == 0 and stats.forked > 0  # forks copy a whole sequence; shorter prefixes never
+    assert full.copied > 0 and stats.fresh > full.fresh and stats.tokens_computed > full.tokens_computed
+
+
+def test_the_reference_rows_count_in_no_stat():
+    lm = toy()
+    rows(lm, [(1, 2, 3)])
+    before = lm.sequences.stats.as_dict()
+    steps = lm.steps
+    uncached(lm, (1, 2, 3, 4))
+    assert lm.sequences.uncached(Request((1, 2, 3, 4))).shape == (1, lm.vocab_size)
+    assert lm.sequences.stats.as_dict() == before and lm.steps == steps + 4  # uncached() ran the engine once
+    assert len(lm.states.held) == 1  # and gave its sequence back
+
+
+def assert_stats_add_up(s):
+    assert s.rows == s.continued + s.forked + s.copied + s.fresh, s
+
+
+@pytest.mark.parametrize("sequences", [1, 5])
+def test_a_batch_larger_than_the_engine_runs_in_parts_with_right_rows_and_stats(sequences):
+    lm = toy(batch_size=12, sequences=sequences)
+    contexts = [(i + 1, i + 2, i + 3) for i in range(12)]
+    got = rows(lm, contexts)
+    s = lm.sequences.stats
+    assert (s.batches, s.rows, s.fresh, s.alone) == (1, 12, 12, 12)
+    assert_stats_add_up(s)
+    grown = [(*c, 7) for c in contexts] + [(*contexts[-1], 8)]  # the last part's sequences are live: continued
+    got2 = rows(lm, grown)
+    assert s.rows == 25 and s.continued > 0
+    assert_stats_add_up(s)
+    for context, row in zip(contexts + grown, [*got, *got2]):
+        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+    assert len(lm.states.held) <= sequences
+
+
+def test_live_off_with_fewer_sequences_than_a_batch_runs_in_parts():
+    lm = toy(batch_size=8, sequences=3, live={"enabled": False})
+    contexts = [(i + 1, i + 5) for i in range(8)]
+    got = rows(lm, contexts)
+    s = lm.sequences.stats
+    assert (s.rows, s.fresh, s.alone, s.tokens_computed) == (8, 8, 8, 16) and not lm.states.held
+    for context, row in zip(contexts, got):
+        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+
+
+def test_a_failed_batch_counts_no_rows():
+    lm = toy(batch_size=4)
+    lm.sequences = LiveSequences(Failing(lm.states), lm.options.live)
+    with pytest.raises(RuntimeError, match="engine error"):
+        rows(lm, [(1, 2), (3, 13)])
+    s = lm.sequences.stats
+    assert (s.batches, s.rows) == (1, 0)
+    assert_stats_add_up(s)

@@ -3,8 +3,10 @@
 Its row after a context depends on every token of it (``state = tanh(embed[t] + decay * state)``,
 ``logits = state @ out``), so a particle's states play the part of a KV cache: computing ``ids + [t]``
 from the states of ``ids`` costs one step. :class:`StateSequences` is all a third party writes for
-that (take, release, copy, run, room); matching, forks, copies, eviction, fallbacks and stats are
-genlm-core's :class:`~genlm_core.live.LiveSequences`.
+that (take, release, copy, run, room, and a count of the steps it ran); matching, forks, copies,
+eviction, fallbacks and stats are genlm-core's :class:`~genlm_core.live.LiveSequences`. The backend's
+:meth:`RecurrentLM.forward_uncached` is the reference that checks it, so it runs the model's own loop
+over the whole context and never the engine.
 """
 
 from __future__ import annotations
@@ -35,12 +37,20 @@ class StateSequences(LiveEngine[int, torch.Tensor]):
         self.model, self.positions = model, positions
         self.held: dict[int, list[torch.Tensor]] = {}
         self.free = list(range(sequences))
+        self.taken: set[int] = set()
 
     def take(self) -> int | None:
-        return self.free.pop() if self.free else None
+        if not self.free:
+            return None
+        seq = self.free.pop()
+        self.taken.add(seq)
+        return seq
 
     def release(self, seqs: Sequence[int]) -> None:
         for seq in seqs:
+            if seq not in self.taken:  # core releases each sequence it took exactly once
+                raise RuntimeError(f"sequence {seq} released but not taken")
+            self.taken.remove(seq)
             self.held.pop(seq, None)
             self.free.append(seq)
 
@@ -51,17 +61,18 @@ class StateSequences(LiveEngine[int, torch.Tensor]):
     def room(self, sequences: int, tokens: int) -> bool:
         return self.positions is None or tokens <= self.positions
 
+    def evaluated_tokens(self) -> int:
+        return self.model.steps  # counted by the model: the check compares it with what core planned
+
     def run(self, pieces: Sequence[Piece[int]], make_room: Callable[[], bool]) -> Ran[torch.Tensor]:
+        new = sum(len(p.new_tokens) for p in pieces)
+        while self.positions is not None and self.size() + new > self.positions:  # room first, then work
+            if not make_room():
+                raise NoRoom(f"{self.positions} states cannot hold this batch")
         for piece in pieces:
             states = self.held.setdefault(piece.seq, [])
             if len(states) != piece.start:
                 raise RuntimeError(f"sequence {piece.seq} holds {len(states)} states, not {piece.start}")
-            while (
-                self.positions is not None
-                and sum(map(len, self.held.values())) + len(piece.new_tokens) > self.positions
-            ):
-                if not make_room():
-                    raise NoRoom(f"{self.positions} states cannot hold this batch")
             for token in piece.new_tokens:
                 states.append(self.model.step(states[-1] if states else None, token))
         return Ran(torch.stack([self.held[p.seq][-1] for p in pieces]) @ self.model.out)
@@ -82,19 +93,29 @@ class RecurrentLM(AsyncLM):
         o, g = self.options, torch.Generator().manual_seed(seed)
         self.embed = torch.randn(self.vocab_size, o.dim, generator=g)
         self.out = torch.randn(o.dim, self.vocab_size, generator=g) * 3
+        self.steps = 0  #: model steps run for the engine (the reference's are not counted)
         self.states = StateSequences(self, o.sequences, o.positions)
         self.sequences: LiveSequences[int, torch.Tensor] = LiveSequences(self.states, o.live)
 
-    def step(self, state: torch.Tensor | None, token: int) -> torch.Tensor:
+    def cell(self, state: torch.Tensor | None, token: int) -> torch.Tensor:
+        """The model: one token on the state of the context before it (None: the empty context)."""
         return torch.tanh(self.embed[token] + (0 if state is None else 0.9 * state))
+
+    def step(self, state: torch.Tensor | None, token: int) -> torch.Tensor:
+        """:meth:`cell` for the engine, counted in :attr:`steps`."""
+        self.steps += 1
+        return self.cell(state, token)
 
     def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
         return self.sequences.run(requests).rows()
 
     def forward_uncached(self, request: Request) -> torch.Tensor:
+        """The reference row: the model's loop over the whole context, sharing nothing with the engine.
+        A live backend must have one (AsyncLM's default runs ``forward_batch``, the live path itself,
+        and ``check_live_sequences`` refuses it)."""
         state = None
         for token in request.token_ids:
-            state = self.step(state, token)
+            state = self.cell(state, token)
         assert state is not None  # a request has at least one token
         return state @ self.out
 

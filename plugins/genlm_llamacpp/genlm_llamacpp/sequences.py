@@ -22,6 +22,7 @@ class LlamaSequences(LiveEngine[int, np.ndarray]):
     def __init__(self, engine: LlamaEngine):
         self.engine = engine
         self.free: list[int] = []
+        self.thrown_away = 0  #: tokens decoded by runs that raised
         self.clear()
 
     def take(self) -> int | None:
@@ -38,12 +39,18 @@ class LlamaSequences(LiveEngine[int, np.ndarray]):
 
     def run(self, pieces: Sequence[Piece[int]], make_room: Callable[[], bool]) -> Ran[np.ndarray]:
         tokens = stream([(p.new_tokens, p.start, p.seq) for p in pieces])
+        decoded = self.engine.tokens_decoded
         try:
             return Ran(self.engine.decode_stream(*tokens, make_room=make_room))
         except DecodeError as exc:
+            self.thrown_away += self.engine.tokens_decoded - decoded  # a batch that raised: no stat counts it
             if exc.no_room:
                 raise NoRoom(f"{exc} (n_ctx={self.engine.n_ctx}; raise it for speed)") from None
             raise
+
+    def evaluated_tokens(self) -> int:
+        """Tokens llama.cpp decoded for runs that returned (counted by the engine's ``llama_decode`` calls)."""
+        return self.engine.tokens_decoded - self.thrown_away
 
     def clear(self) -> None:
         """Empty every sequence and free every id."""
