@@ -11,10 +11,19 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from pydantic import BaseModel
+
+from genlm_core.config import nested_model
 from genlm_core.errors import GenlmError
 from genlm_core.plugins import get_plugins
 
 log = logging.getLogger("genlm")
+
+#: The help of ``-o``.
+OPTION_HELP = (
+    "backend option (repeatable; `genlm options BACKEND` lists them); a field of a nested option is "
+    "KEY.FIELD=VALUE, e.g. live.lookback=2; values are parsed as JSON when they can be"
+)
 
 #: Exceptions that mean the user asked for something that cannot be done: one line, exit status 2.
 USER_ERRORS = (GenlmError, ValueError, TypeError, LookupError, OSError, ImportError)
@@ -128,21 +137,31 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _option_rows(model: type[BaseModel], prefix: str = "") -> list[list[str]]:
+    """One row per option of ``model``, and one per field of a nested options model (``live.lookback``)."""
+    rows = []
+    for name, field in model.model_fields.items():
+        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
+        nested = nested_model(model, [name])
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        if nested is not None:
+            default = "(below)"
+        rows.append([prefix + name, annotation, default, field.description or ""])
+        if nested is not None:
+            rows += _option_rows(nested, f"{prefix}{name}.")
+    return rows
+
+
 def cmd_options(args: argparse.Namespace) -> int:
     spec = get_plugins().backend(args.backend)
-    rows = []
-    for name, field in spec.options.model_fields.items():
-        annotation = getattr(field.annotation, "__name__", None) or str(field.annotation).replace("typing.", "")
-        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
-        rows.append([name, annotation, default, field.description or ""])
     print(f"options of backend {spec.name!r} ({spec.options.__name__}):")
-    print(table(["option", "type", "default", "description"], rows))
+    print(table(["option", "type", "default", "description"], _option_rows(spec.options)))
     return 0
 
 
 def _parse_option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
-    if not sep:
+    if not sep or not key:
         raise argparse.ArgumentTypeError(f"option {text!r} must look like key=value")
     try:
         return key, json.loads(raw)
@@ -150,11 +169,22 @@ def _parse_option(text: str) -> tuple[str, Any]:
         return key, raw
 
 
+def _options(pairs: Sequence[tuple[str, Any]] | None) -> dict[str, Any]:
+    """The ``-o KEY=VALUE`` options as a dict (dotted keys are nested by the backend's options model);
+    a key given twice is a usage error."""
+    options: dict[str, Any] = {}
+    for key, value in pairs or []:
+        if key in options:
+            raise UsageError(f"option {key!r} is given twice ({options[key]!r} and {value!r})")
+        options[key] = value
+    return options
+
+
 def cmd_logprobs(args: argparse.Namespace) -> int:
     from genlm_core.loading import load_model_by_name
 
     text = _text_str(args.text)
-    lm = load_model_by_name(args.model, args.backend, dict(args.option or []))
+    lm = load_model_by_name(args.model, args.backend, _options(args.option))
     with lm:
         ids = list(lm.tokenizer.encode(text, add_special_tokens=not args.no_special_tokens))
         if not ids:
@@ -177,7 +207,7 @@ def cmd_continue(args: argparse.Namespace) -> int:
     from genlm_core.loading import load_model_by_name
 
     text = _text_bytes(args.text)
-    lm = load_model_by_name(args.model, args.backend, dict(args.option or []))
+    lm = load_model_by_name(args.model, args.backend, _options(args.option))
 
     async def run() -> bytes:
         beam = await ByteBeamState.initial(lm, BeamParams(K=args.beam, prune_threshold=args.prune))
@@ -217,7 +247,7 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         type=_parse_option,
         metavar="KEY=VALUE",
-        help="backend option (repeatable; values are parsed as JSON when they can be)",
+        help=OPTION_HELP,
     )
     lp.add_argument("--no-special-tokens", action="store_true", help="do not add BOS/special tokens to the text")
     lp.set_defaults(func=cmd_logprobs)
@@ -232,7 +262,7 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--sample", action="store_true", help="sample instead of greedy")
     c.add_argument("--seed", type=_number(int, 0), default=None, help="random seed for --sample (>= 0)")
-    c.add_argument("--option", "-o", action="append", type=_parse_option, metavar="KEY=VALUE", help="backend option")
+    c.add_argument("--option", "-o", action="append", type=_parse_option, metavar="KEY=VALUE", help=OPTION_HELP)
     c.set_defaults(func=cmd_continue)
     return p
 

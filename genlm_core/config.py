@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
 import types
@@ -10,7 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from genlm_core.batching import FlushPolicy
 from genlm_core.errors import ConfigError, OptionsError
@@ -37,7 +47,14 @@ class BackendOptions(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise OptionsError(describe_options_error(exc, type(self))) from None
+            problems = option_problems(exc, type(self))
+            raise OptionsError(f"invalid options for {type(self).__name__}: " + "; ".join(problems), problems) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dotted_keys(cls, data: Any) -> Any:
+        """``{"live.lookback": 2}`` is ``{"live": {"lookback": 2}}`` (see :func:`nest_dotted`)."""
+        return nest_dotted(data) if isinstance(data, dict) else data
 
     batch_size: PositiveInt = Field(32, description="Most requests computed in one batch.")
     timeout: float = Field(
@@ -65,17 +82,108 @@ class BackendOptions(BaseModel):
         return value
 
 
-def describe_options_error(exc: ValidationError, options: type[BaseModel], backend: str | None = None) -> str:
-    """One line naming every bad option of ``options`` (and the backend), with the known options for a typo."""
+def nest_dotted(options: dict[str, Any]) -> dict[str, Any]:
+    """Options with dotted keys nested: ``{"live.lookback": 2, "live": {"enabled": False}}`` is
+    ``{"live": {"enabled": False, "lookback": 2}}`` (what ``-o live.lookback=2`` on the command line and
+    ``llm_opts={"live.lookback": 2}`` mean). A key given twice, or a field of an option whose value is
+    not a dict, is an :class:`~genlm_core.errors.OptionsError` naming both."""
+    if not any(isinstance(k, str) and "." in k for k in options):
+        return options
+    nested: dict[str, Any] = {}
+    for key, value in options.items():
+        if not isinstance(key, str) or "." not in key:
+            _merge(nested, [key], value)
+        else:
+            _merge(nested, key.split("."), value)
+    return nested
+
+
+def _merge(into: dict[str, Any], path: list[str], value: Any, done: tuple[str, ...] = ()) -> None:
+    head, rest = path[0], path[1:]
+    where = (*done, head)
+    if "" in path:
+        _conflict(f"option {'.'.join((*done, *path))!r}: an empty name between dots")
+    if not rest:
+        if head in into and not (isinstance(into[head], dict) and isinstance(value, dict)):
+            _conflict(f"option {'.'.join(where)!r} is given twice ({into[head]!r} and {value!r})")
+        if head in into:
+            for k, v in value.items():
+                _merge(into[head], [k], v, where)
+        else:
+            into[head] = dict(value) if isinstance(value, dict) else value
+        return
+    inner = into.setdefault(head, {})
+    if not isinstance(inner, dict):
+        _conflict(
+            f"option {'.'.join((*where, *rest))!r} sets a field of {'.'.join(where)!r}, which is given as {inner!r}"
+        )
+    _merge(inner, rest, value, where)
+
+
+def _conflict(problem: str) -> typing.NoReturn:
+    raise OptionsError(f"invalid options: {problem}", [problem])
+
+
+def nested_model(options: type[BaseModel], path: typing.Sequence[str | int]) -> type[BaseModel] | None:
+    """The pydantic model of the option at ``path`` in ``options`` (``("live",)`` -> ``LiveOptions``),
+    or None when it is not a model."""
+    model: type[BaseModel] | None = options
+    for part in path:
+        field = None if model is None else model.model_fields.get(str(part))
+        if field is None:
+            return None
+        model = _model_of(field.annotation)
+    return model
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [m for m in map(_model_of, typing.get_args(annotation)) if m is not None]
+        return models[0] if len(models) == 1 else None
+    return None
+
+
+def option_problems(exc: ValidationError, options: type[BaseModel]) -> list[str]:
+    """One phrase per bad option: its dotted path, the problem, and the value given (once); an
+    unknown option lists the known ones where it was given (a nested option's own fields)."""
     problems = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(options)"
-        if err["type"] == "extra_forbidden":
-            problems.append(f"unknown option {where!r} (known: {', '.join(options.model_fields)})")
+        loc = err["loc"]
+        where = ".".join(str(p) for p in loc) or "(options)"
+        cause = (err.get("ctx") or {}).get("error")
+        if isinstance(cause, OptionsError) and cause.problems:  # a nested options model's own error
+            prefix = ".".join(str(p) for p in loc)
+            problems += [_within(prefix, p) for p in cause.problems]
+        elif err["type"] == "extra_forbidden":
+            owner = nested_model(options, loc[:-1]) or options
+            known = list(owner.model_fields)
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?" if close else ""
+            inside = f" in {'.'.join(map(str, loc[:-1]))!r}" if len(loc) > 1 else ""
+            problems.append(f"unknown option {where!r} (known{inside}: {', '.join(known)}){hint}")
         else:
-            problems.append(f"option {where!r}: {err['msg']} (got {err.get('input')!r})")
+            message = str(err["msg"]).removeprefix("Value error, ")
+            problems.append(f"option {where!r}: {message} (got {err.get('input')!r})")
+    return problems
+
+
+def _within(prefix: str, problem: str) -> str:
+    """A nested model's problem phrase with its option path under ``prefix``."""
+    if not prefix:
+        return problem
+    for start in ("option '", "unknown option '"):
+        if problem.startswith(start):
+            return f"{start}{prefix}.{problem[len(start) :]}"
+    return problem
+
+
+def describe_options_error(exc: ValidationError, options: type[BaseModel], backend: str | None = None) -> str:
+    """One line naming every bad option of ``options`` (and the backend): each option's dotted path,
+    the problem and the value given, with the known options (of the nested model) for a typo."""
     owner = f"backend {backend!r}" if backend else options.__name__
-    return f"invalid options for {owner}: " + "; ".join(problems)
+    return f"invalid options for {owner}: " + "; ".join(option_problems(exc, options))
 
 
 class ModelConfig(BaseModel):

@@ -22,7 +22,13 @@ class PluginError(GenlmError):
 
 
 class OptionsError(GenlmError, ValueError):
-    """Backend options failed validation (unknown option, wrong type)."""
+    """Backend options failed validation (unknown option, wrong type). ``problems``: one phrase per bad
+    option (its dotted path, the problem, the value), so that an error inside a nested model is
+    reported once, under the outer option's path."""
+
+    def __init__(self, message: str, problems: list[str] | tuple[str, ...] = ()):
+        super().__init__(message)
+        self.problems = list(problems)
 
 
 class VocabDecodingError(GenlmError, ValueError):

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from genlm_core.config import ModelConfig, describe_options_error
+from genlm_core.config import ModelConfig, describe_options_error, nest_dotted
 from genlm_core.errors import BackendNotFoundError, ConfigError, OptionsError
 from genlm_core.lm import AsyncLM
 from genlm_core.plugins import get_plugins
@@ -53,7 +53,9 @@ def default_backend() -> str:
 
 
 def validate_options(spec: BackendSpec, options: dict[str, Any] | BaseModel | None) -> BaseModel:
-    """Validate backend options with the backend's own pydantic model; errors name option and backend."""
+    """Validate backend options with the backend's own pydantic model; errors name option and backend.
+    A dotted key sets a field of a nested option: ``{"live.lookback": 2}`` is ``{"live": {"lookback": 2}}``
+    (merged with the other fields given for ``live``)."""
     if isinstance(options, spec.options):
         return options
     if isinstance(options, BaseModel):
@@ -64,9 +66,13 @@ def validate_options(spec: BackendSpec, options: dict[str, Any] | BaseModel | No
             f"got {type(options).__name__} {options!r}"
         )
     try:
-        return spec.options.model_validate(options or {})
+        return spec.options.model_validate(nest_dotted(options or {}))
     except ValidationError as exc:
         raise OptionsError(describe_options_error(exc, spec.options, spec.name)) from None
+    except OptionsError as exc:  # dotted keys that contradict each other
+        raise OptionsError(
+            f"invalid options for backend {spec.name!r}: " + "; ".join(exc.problems), exc.problems
+        ) from None
 
 
 def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str, Any] | None = None) -> AsyncLM:

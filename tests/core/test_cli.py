@@ -7,10 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from pydantic import Field
 
 from genlm_core import hookimpl
 from genlm_core.cli import main, table
+from genlm_core.live import LiveOptions
+from genlm_core.mock import MockAsyncLM, MockOptions
 from genlm_core.testing import registered
+from genlm_core.testing.tokenizers import toy_tokenizer
 
 
 def test_table_aligns_columns():
@@ -241,3 +245,61 @@ def test_real_process_exit_codes_and_raw_non_utf8_text():
     refused = run_cli("logprobs", "gpt2", raw, "-b", "mock")
     assert refused.returncode == 2 and b"TEXT is not valid UTF-8: b'caf\\xe9'" in refused.stderr
     assert refused.stderr.count(b"\n") == 1 and b"Traceback" not in refused.stderr
+
+
+class LiveMockOptions(MockOptions):
+    """The mock's options with a nested options model, as a live backend has."""
+
+    live: LiveOptions = Field(default_factory=lambda: LiveOptions.model_validate({}), description="Live sequences.")
+
+
+LOADED: list = []
+
+
+def live_mock(name, options):
+    lm = MockAsyncLM(toy_tokenizer(), options)
+    LOADED.append(lm)
+    return lm
+
+
+class LiveMock:
+    @hookimpl
+    def register_backends(self, register):
+        register.backend("livemock", live_mock, options=LiveMockOptions)
+
+
+def test_a_nested_option_s_field_is_key_dot_field_on_the_command_line(fresh_plugins, capsys):
+    argv = ["logprobs", "m", "ab", "-b", "livemock", "-o", "live.lookback=2", "-o", 'live={"max_sequences": 4}']
+    with registered(LiveMock(), "genlm-livemock"):
+        assert main([*argv, "-o", "live.enabled=false", "-o", "batch_size=3"]) == 0
+        live = LOADED[-1].options.live
+        assert (live.lookback, live.max_sequences, live.enabled) == (2, 4, False)
+        assert LOADED[-1].options.batch_size == 3
+        assert main(["options", "livemock"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.startswith("live.lookback ") and "Most tokens" in line for line in out.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["live.lookback=0"],
+            "invalid options for backend 'livemock': option 'live.lookback': Input should be greater than 0 (got 0)",
+        ),
+        (['live={"lookback": 0}'], "option 'live.lookback': Input should be greater than 0 (got 0)"),
+        (
+            ["live.lookbak=2"],
+            "unknown option 'live.lookbak' (known in 'live': enabled, lookback, max_idle_batches, max_sequences); "
+            "did you mean 'live.lookback'?",
+        ),
+        (["live.lookback=2", "live.lookback=3"], "option 'live.lookback' is given twice (2 and 3)"),
+        (["live=3", "live.lookback=2"], "option 'live.lookback' sets a field of 'live', which is given as 3"),
+        (["live.lookback=2", 'live={"lookback": 3}'], "option 'live.lookback' is given twice (2 and 3)"),
+    ],
+)
+def test_an_option_error_is_one_clean_line(fresh_plugins, capsys, options, message):
+    argv = ["logprobs", "m", "ab", "-b", "livemock"] + [a for o in options for a in ("-o", o)]
+    with registered(LiveMock(), "genlm-livemock"):
+        line = assert_one_line_error(capsys, argv, message)
+    assert line.count("invalid options") <= 1 and line.count("(got") <= 1 and "Value error" not in line, line

@@ -416,3 +416,27 @@ def test_installed_mock_plugin_is_discovered():
     plugins = Plugins()
     spec = plugins.backend("mock")
     assert spec.distribution == "genlm-core" and spec.unavailable_reason() is None
+
+
+def test_dotted_keys_in_llm_opts_set_a_nested_option_s_fields(fresh_plugins, toy_tok):
+    from pydantic import Field
+
+    from genlm_core.live import LiveOptions
+    from genlm_core.mock import MockAsyncLM, MockOptions
+
+    class Options(MockOptions):
+        live: LiveOptions = Field(default_factory=lambda: LiveOptions.model_validate({}), description="Live.")
+
+    class Plugin:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("nested", lambda name, options: MockAsyncLM(toy_tok, options), options=Options)
+
+    with registered(Plugin()):
+        lm = load_model_by_name("m", backend="nested", llm_opts={"live.lookback": 3, "live": {"enabled": False}})
+        assert (lm.options.live.lookback, lm.options.live.enabled) == (3, False)
+        assert Options(**{"live.max_sequences": 5}).live.max_sequences == 5  # the model itself takes them too
+        with pytest.raises(
+            OptionsError, match=r"^invalid options for backend 'nested': option 'live.lookback': .* \(got 0\)$"
+        ):
+            load_model_by_name("m", backend="nested", llm_opts={"live": {"lookback": 0}})
