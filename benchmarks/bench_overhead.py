@@ -28,8 +28,16 @@ per-pair differences, and ``gc``: the median time the cyclic garbage collector r
 the step; measured through ``gc.callbacks``). On CUDA both are timed between ``torch.cuda.synchronize()``
 calls, the step until every particle holds its row (rows stay on the device).
 
-The issue's targets, printed cell by cell: N >= 256: step / floor <= 1.5; N = 32: step <= floor + 1 ms;
-for each (V, N): the step at the largest context <= 1.1x the step at the smallest (24).
+Modes (``--modes``, each cell times them interleaved with the floor): ``lists`` (the program above),
+``handles`` (the same with ``lm.context`` handles, each particle extending its own with ``ctx.extend``)
+and ``step`` (the whole step as one ``batch_next_token_logprobs`` of the N handles: one submission, one
+future, the rows returned as their block). Each mode starts from its own prompt, so no mode's contexts
+are another's.
+
+The targets (issue 44), printed cell by cell: ``step`` at N >= 256 within 1.2x the floor; ``handles``
+and ``lists``: genlm's own time per request (step less floor, over N) within 12 us; for each (V, N,
+mode): the step at the largest context within 1.1x the step at the smallest (flat in context; for
+lists, the per-token slope is printed beside it).
 
 The breakdown (``--breakdown ends``, the default: each (V, N) at its smallest and largest context) times
 each stage alone on the N contexts a step would ask for next (each one token longer than a context asked
@@ -205,30 +213,56 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:+.2f} ms"
 
 
-class Particles:
-    """N contexts (Python lists) sharing a prompt of C tokens; a step grows each by one token."""
+#: How a program hands its contexts over (``--modes``): ``lists``, each particle awaiting
+#: ``next_token_logprobs`` of its own Python list (appended to in place); ``handles``, the same with
+#: :class:`~genlm_core.Context` handles (``ctx.extend(token)``); ``step``, the whole step as one
+#: ``batch_next_token_logprobs`` of the N handles (one submission, one future, the rows as one block).
+MODES = ("lists", "handles", "step")
 
-    def __init__(self, lm: AsyncLM, pool: list[int], n: int, context: int):
-        self.lm, self.pool, self.n = lm, pool, n
-        prompt = [pool[i % len(pool)] for i in range(context)]
-        self.contexts = [list(prompt) for _ in range(n)]
+
+class Particles:
+    """N contexts sharing a prompt of C tokens; a step grows each by one token. ``mode``: see :data:`MODES`;
+    ``shift`` moves the prompt along the pool, so that the contexts of two modes never coincide."""
+
+    def __init__(self, lm: AsyncLM, pool: list[int], n: int, context: int, mode: str = "lists", shift: int = 0):
+        self.lm, self.pool, self.n, self.mode = lm, pool, n, mode
+        prompt = [pool[(i + shift) % len(pool)] for i in range(context)]
+        self.contexts: list[Any]
+        if mode == "lists":
+            self.contexts = [list(prompt) for _ in range(n)]
+        else:
+            self.contexts = [lm.context(prompt)] * n
         self.offset = 0  # the first step appends pool[0..N-1]: distinct, so the contexts diverge
 
-    async def _particle(self, context: list[int], token: int) -> None:
+    async def _list_particle(self, context: list[int], token: int) -> None:
         await self.lm.next_token_logprobs(context)
         context.append(token)
 
+    async def _handle_particle(self, i: int, token: int) -> None:
+        context = self.contexts[i]
+        await self.lm.next_token_logprobs(context)
+        self.contexts[i] = context.extend(token)
+
     async def step(self) -> None:
-        pool, size, k = self.pool, len(self.pool), self.offset
+        pool, size, k, contexts = self.pool, len(self.pool), self.offset, self.contexts
         self.offset += self.n
-        await asyncio.gather(*(self._particle(c, pool[(i + k) % size]) for i, c in enumerate(self.contexts)))
+        if self.mode == "lists":
+            await asyncio.gather(*(self._list_particle(c, pool[(i + k) % size]) for i, c in enumerate(contexts)))
+        elif self.mode == "handles":
+            await asyncio.gather(*(self._handle_particle(i, pool[(i + k) % size]) for i in range(self.n)))
+        else:
+            await self.lm.batch_next_token_logprobs(contexts)
+            self.contexts = [c.extend(pool[(i + k) % size]) for i, c in enumerate(contexts)]
 
     def advance(self) -> None:
         """One token more for every context, without asking for rows (so no later step hits the cache)."""
         pool, size, k = self.pool, len(self.pool), self.offset
         self.offset += self.n
-        for i, c in enumerate(self.contexts):
-            c.append(pool[(i + k) % size])
+        if self.mode == "lists":
+            for i, c in enumerate(self.contexts):
+                c.append(pool[(i + k) % size])
+        else:
+            self.contexts = [c.extend(pool[(i + k) % size]) for i, c in enumerate(self.contexts)]
 
 
 class GcClock:
@@ -332,28 +366,46 @@ async def timed_stages(
 
 
 async def run_cell(
-    lm: ZeroCostLM, pool: list[int], n: int, context: int, steps: int, warmup: int, breakdown: int, device: torch.device
-) -> dict[str, Any]:
+    lm: ZeroCostLM,
+    pool: list[int],
+    n: int,
+    context: int,
+    steps: int,
+    warmup: int,
+    breakdown: int,
+    device: torch.device,
+    modes: Sequence[str] = ("lists",),
+) -> list[dict[str, Any]]:
+    """One (V, N, C) cell: a step of each mode and a floor, interleaved (mode 1, floor, mode 2, floor,
+    ...); one result per mode. The breakdown follows the first mode's contexts."""
     sync = syncer(device)
     block = lm.block
-    particles = Particles(lm, pool, n, context)
-    first = counters(lm)
-    for w in range(warmup):
-        await particles.step()
-        if w == 0 and (counters(lm)[1] - first[1]) != 1:
-            raise RuntimeError("the first step's N requests of one context did not deduplicate into one row")
-    times: dict[str, list[float]] = {"step": [], "floor": [], "floor_loop": [], "gc": []}
+    everyone = {mode: Particles(lm, pool, n, context, mode, shift=31 * i) for i, mode in enumerate(modes)}
+    for particles in everyone.values():
+        first = counters(lm)
+        for w in range(warmup):
+            await particles.step()
+            if w == 0 and (counters(lm)[1] - first[1]) != 1:
+                raise RuntimeError("the first step's N requests of one context did not deduplicate into one row")
+    times = {mode: {"step": [], "floor": [], "floor_loop": [], "gc": []} for mode in modes}
     for _ in range(steps):
-        seconds, collecting = await timed_step(particles, sync)
-        times["step"].append(seconds)
-        times["gc"].append(collecting)
-        times["floor"].append(await timed_floor_on_worker(lm, block, n, sync))
-        times["floor_loop"].append(timed_floor(block, n, sync))
-    cell = summarise(times["step"], times["floor"])
-    cell["gc"] = {"median": statistics.median(times["gc"]), "samples": times["gc"]}
-    cell["floor_loop"] = {"median": statistics.median(times["floor_loop"]), "samples": times["floor_loop"]}
-    cell.update(vocab=lm.vocab_size, n=n, context=context, steps=steps)
+        for mode, particles in everyone.items():
+            seconds, collecting = await timed_step(particles, sync)
+            t = times[mode]
+            t["step"].append(seconds)
+            t["gc"].append(collecting)
+            t["floor"].append(await timed_floor_on_worker(lm, block, n, sync))
+            t["floor_loop"].append(timed_floor(block, n, sync))
+    cells = []
+    for mode in modes:
+        t = times[mode]
+        cell = summarise(t["step"], t["floor"])
+        cell["gc"] = {"median": statistics.median(t["gc"]), "samples": t["gc"]}
+        cell["floor_loop"] = {"median": statistics.median(t["floor_loop"]), "samples": t["floor_loop"]}
+        cell.update(vocab=lm.vocab_size, n=n, context=context, steps=steps, mode=mode)
+        cells.append(cell)
     if breakdown:
+        particles = everyone[modes[0]]
         results = list(range(n))
         batcher: AutoBatcher[Request, int] = AutoBatcher(
             lambda items: results[: len(items)],
@@ -372,8 +424,8 @@ async def run_cell(
                     rounds[k].append(v)
         finally:
             batcher.close()
-        cell["breakdown"] = {k: {"median": statistics.median(v), "samples": v} for k, v in rounds.items()}
-    return cell
+        cells[0]["breakdown"] = {k: {"median": statistics.median(v), "samples": v} for k, v in rounds.items()}
+    return cells
 
 
 def summarise(step: list[float], floor: list[float]) -> dict[str, Any]:
@@ -388,11 +440,14 @@ def summarise(step: list[float], floor: list[float]) -> dict[str, Any]:
 
 
 def target(cell: dict[str, Any]) -> tuple[str, bool | None]:
-    n = cell["n"]
-    if n >= 256:
-        return "ratio <= 1.5", cell["ratio"]["median"] <= 1.5
-    if n == 32:
-        return "<= floor + 1 ms", cell["minus_floor"] <= 1e-3
+    """Issue 44's targets on this machine: the step call at N >= 256 within 1.2x the floor; per-particle
+    awaits of handles and of lists, genlm's own time per request (step less floor, over N) within 12 us
+    (the GPU host's figure; lists add a per-token slope, judged in the context table)."""
+    n, mode = cell["n"], cell.get("mode", "lists")
+    if mode == "step" and n >= 256:
+        return "ratio <= 1.2", cell["ratio"]["median"] <= 1.2
+    if mode in ("handles", "lists"):
+        return "<= 12 us/request", cell["minus_floor"] / n <= 12e-6
     return "none", None
 
 
@@ -489,6 +544,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--synthetic", action="store_true", help="synthetic tokenizers for every V (GPT-2's too)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"how contexts are handed over: {', '.join(MODES)}")
     args = ap.parse_args()
     if args.quick:
         for k, v in QUICK.items():
@@ -499,6 +555,9 @@ def main() -> None:
         ap.error("--device cuda: no CUDA device")
     device = torch.device(args.device)
     ns, contexts, vocabs = ints(args.n), ints(args.context), ints(args.vocab)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     started = time.perf_counter()
     env = {
         "argv": sys.argv[1:],
@@ -538,14 +597,14 @@ def main() -> None:
                 rounds = args.breakdown_rounds if args.breakdown == "all" or (args.breakdown == "ends" and ends) else 0
                 lm.clear_cache()
                 gc.collect()
-                cell = asyncio.run(run_cell(lm, pool, n, context, steps, args.warmup, rounds, device))
-                cells.append(cell)
-                print(
-                    f"  C={context}: step {fmt_s(cell['step']['median'])}, floor {fmt_s(cell['floor']['median'])},"
-                    f" ratio {cell['ratio']['median']:.2f}x",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                for cell in asyncio.run(run_cell(lm, pool, n, context, steps, args.warmup, rounds, device, modes)):
+                    cells.append(cell)
+                    print(
+                        f"  C={context} {cell['mode']}: step {fmt_s(cell['step']['median'])},"
+                        f" floor {fmt_s(cell['floor']['median'])}, ratio {cell['ratio']['median']:.2f}x",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             lm.cleanup()
         del block
         gc.collect()
@@ -576,7 +635,7 @@ def run_profile(
     pool = random.Random(args.seed).sample(range(vocab), k=min(vocab, 65536))
     lm = ProfiledLM(tok, block, batch_size=n)
     try:
-        particles = Particles(lm, pool, n, context)
+        particles = Particles(lm, pool, n, context, args.modes.split(",")[0])
         main_profile = asyncio.run(profile_steps(lm, particles, args.warmup, args.profile_steps))
     finally:
         lm.cleanup()
@@ -598,6 +657,7 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
                 str(cell["vocab"]),
                 str(cell["n"]),
                 str(cell["context"]),
+                cell["mode"],
                 fmt_s(cell["step"]["median"]),
                 spread(cell["step"]["samples"]),
                 fmt_s(cell["floor"]["median"]),
@@ -605,21 +665,22 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
                 fmt_s(cell["floor_loop"]["median"]),
                 f"{cell['ratio']['median']:.2f}x",
                 ms(cell["minus_floor"]),
+                f"{cell['minus_floor'] / cell['n'] * 1e6:.1f} us",
                 fmt_s(cell["gc"]["median"]),
                 what,
                 verdict(ok),
             ]
         )
-    head = ["V", "N", "C", "genlm step", "p25–p75", "floor", "p25–p75", "floor (loop thread)", "ratio"]
-    head += ["genlm − floor", "gc", "target", "met"]
+    head = ["V", "N", "C", "mode", "genlm step", "p25–p75", "floor", "p25–p75", "floor (loop thread)", "ratio"]
+    head += ["genlm − floor", "per request", "gc", "target", "met"]
     print("\ngenlm's step (N particles, zero-cost engine) against the floor (log_softmax of [N, V]), interleaved")
     print(table(head, rows))
 
     scaling = []
-    by_vn: dict[tuple[int, int], dict[int, dict[str, Any]]] = {}
+    by_vn: dict[tuple[int, int, str], dict[int, dict[str, Any]]] = {}
     for cell in cells:
-        by_vn.setdefault((cell["vocab"], cell["n"]), {})[cell["context"]] = cell
-    for (vocab, n), row in by_vn.items():
+        by_vn.setdefault((cell["vocab"], cell["n"], cell["mode"]), {})[cell["context"]] = cell
+    for (vocab, n, mode), row in by_vn.items():
         if len(row) < 2:
             continue
         small, large = row[min(row)], row[max(row)]
@@ -631,6 +692,7 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
             [
                 str(vocab),
                 str(n),
+                mode,
                 f"{small['context']} → {large['context']}",
                 fmt_s(small["step"]["median"]),
                 fmt_s(large["step"]["median"]),
@@ -641,7 +703,8 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
         )
     if scaling:
         print("\nstep at the largest context against the smallest (target: <= 1.1x)")
-        head = ["V", "N", "C", "step (small C)", "step (large C)", "ratio", "extra per particle per token", "met"]
+        head = ["V", "N", "mode", "C", "step (small C)", "step (large C)", "ratio", "extra per particle per token"]
+        head += ["met"]
         print(table(head, scaling))
 
     broken = [c for c in cells if "breakdown" in c]
@@ -655,6 +718,7 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
                     str(cell["vocab"]),
                     str(cell["n"]),
                     str(cell["context"]),
+                    cell["mode"],
                     fmt_s(b["step"]),
                     fmt_s(b["floor"]),
                     *(fmt_s(b[k]) for k in STAGES),
@@ -664,7 +728,7 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
             )
         rounds = f"medians of {args.breakdown_rounds} interleaved rounds"
         print(f"\nbreakdown: each stage alone, on the N contexts a step would ask for next; {rounds}")
-        head = ["V", "N", "C", "step", "floor", *STAGES, "finish − floor", "rest"]
+        head = ["V", "N", "C", "mode", "step", "floor", *STAGES, "finish − floor", "rest"]
         print(table(head, rows))
 
     met = [c["target"]["met"] for c in cells if c["target"]["met"] is not None]

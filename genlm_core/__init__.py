@@ -3,6 +3,7 @@
 from genlm_core.batching import AutoBatcher, ContentKey, Failed
 from genlm_core.cache import OutputCache
 from genlm_core.config import BackendOptions, ModelConfig
+from genlm_core.context import Context
 from genlm_core.errors import (
     BackendNotFoundError,
     BatcherError,
@@ -33,6 +34,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "ContentKey",
+    "Context",
     "Failed",
     "GenlmError",
     "LoRASelection",

@@ -126,6 +126,34 @@ class ContentKey:
         return bool(np.array_equal(a, b))
 
 
+class _Group:
+    """The one future of a :meth:`AutoBatcher.submit_many` call: its results, in order, once every
+    item has one; the first failure fails it."""
+
+    __slots__ = ("future", "left", "results")
+
+    def __init__(self, future: asyncio.Future[list[Any]], size: int):
+        self.future = future
+        self.results: list[Any] = [None] * size
+        self.left = size
+
+    def deliver(self, index: int, result: Any) -> None:
+        future = self.future
+        if future.done():
+            return
+        if isinstance(result, Failed):
+            future.set_exception(result.error)
+            return
+        self.results[index] = result
+        self.left -= 1
+        if not self.left:
+            future.set_result(self.results)
+
+
+#: Who waits for a job: one caller's future, or the ``(group, index)`` of an item of a group.
+Waiter = asyncio.Future[Any] | tuple[_Group, int]
+
+
 class _Job:
     __slots__ = ("item", "key", "queued_at", "waiters")
 
@@ -133,16 +161,28 @@ class _Job:
         self.key = key
         self.item = item
         self.queued_at = queued_at
-        self.waiters: list[asyncio.Future[Any]] = []
+        self.waiters: list[Waiter] = []
 
     def resolve(self, result: Any) -> None:
         for waiter in self.waiters:
+            if type(waiter) is tuple:
+                waiter[0].deliver(waiter[1], result)
+                continue
+            assert isinstance(waiter, asyncio.Future)
             if waiter.done():
                 continue
             if isinstance(result, Failed):
                 waiter.set_exception(result.error)
             else:
                 waiter.set_result(result)
+
+    def cancel(self) -> None:
+        for waiter in self.waiters:
+            if type(waiter) is tuple:
+                waiter[0].future.cancel()
+            else:
+                assert isinstance(waiter, asyncio.Future)
+                waiter.cancel()
 
 
 class AutoBatcher(Generic[T, R]):
@@ -238,6 +278,47 @@ class AutoBatcher(Generic[T, R]):
                 job.waiters.remove(waiter)
                 if not job.waiters and self._pending.get(key) is job:
                     del self._pending[key]
+            raise
+
+    async def submit_many(self, keys: Sequence[Hashable], items: Sequence[T]) -> list[R]:
+        """Queue every ``(key, item)`` pair (as :meth:`submit` does each) and wait for all their
+        results, in order, through one future: a program's whole step is one submission. Equal keys
+        are computed once, here and across callers. The first failure of an item fails the call;
+        cancelling it drops the items nobody else waits for."""
+        self.ensure_open()
+        if len(keys) != len(items):
+            raise ValueError(f"{self.name}: {len(keys)} keys for {len(items)} items")
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        if not keys:
+            return []
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._bind(loop)
+        self.stats.submitted += len(keys)
+        group = _Group(loop.create_future(), len(keys))
+        pending, running = self._pending, self._running
+        jobs = []
+        now = loop.time()
+        for i, key in enumerate(keys):
+            job = pending.get(key) or running.get(key)
+            if job is None:
+                pending[key] = job = _Job(key, items[i], now)
+            job.waiters.append((group, i))
+            jobs.append(job)
+        if self._worker is None:
+            self._worker = loop.create_task(self._work(), name=f"genlm-{self.name}")
+        elif len(pending) >= self.batch_size:
+            self._wake()
+        try:
+            return await group.future
+        except asyncio.CancelledError:
+            if group.future.cancelled():
+                for job in jobs:
+                    job.waiters = [w for w in job.waiters if type(w) is not tuple or w[0] is not group]
+                    if not job.waiters and pending.get(job.key) is job:
+                        del pending[job.key]
             raise
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -369,8 +450,7 @@ class AutoBatcher(Generic[T, R]):
                 job.resolve(Failed(exc))
         except BaseException:
             for job in batch:
-                for waiter in job.waiters:
-                    waiter.cancel()
+                job.cancel()
             raise
         else:
             for job, result in zip(batch, results):

@@ -64,6 +64,23 @@ class OutputCache:
             self.hits += 1
             return entry[0]
 
+    def get_many(self, keys: Sequence[Hashable]) -> list[Any]:
+        """:meth:`get` of each key in turn (None where missing), under one lock (a step's requests)."""
+        data = self._data
+        out: list[Any] = []
+        with self._lock:
+            for key in keys:
+                entry = data.get(key)
+                if entry is None:
+                    out.append(None)
+                else:
+                    data.move_to_end(key)
+                    out.append(entry[0])
+            hits = len(out) - out.count(None)
+            self.hits += hits
+            self.misses += len(out) - hits
+        return out
+
     def put(self, key: Hashable, value: Any) -> Any:
         """Store ``value`` (moved to CPU if asked) and evict the least recently used beyond bounds."""
         return self.put_many([key], [value])[0]

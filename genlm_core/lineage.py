@@ -33,7 +33,7 @@ def nearest_prefix(
     """The first hit of ``lookup`` on ``request``'s context less ``shortest_cut``, ``shortest_cut + 1``,
     ..., ``lookback`` trailing tokens (never the empty context), as requests under the same
     adapter: ``(tokens cut, value)``, or None."""
-    n = len(request.token_ids)
+    n = len(request)
     for cut in range(shortest_cut, min(lookback, n - 1) + 1):
         value = lookup(request if cut == 0 else request.prefix(n - cut))
         if value is not None:
@@ -91,7 +91,7 @@ class LiveContexts(Generic[H]):
                 plan.append(None)
             else:
                 cut, (handle, fork) = hit
-                plan.append(Continuation(handle, request.token_ids[-cut:], fork))
+                plan.append(Continuation(handle, request.new_tokens(len(request) - cut), fork))
         released = []
         for key in continued:
             self._idle.pop(key, None)

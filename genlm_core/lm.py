@@ -23,9 +23,10 @@ from genlm_core.batching import AutoBatcher, Failed
 from genlm_core.cache import OutputCache
 from genlm_core.closing import CLOSED, Closed
 from genlm_core.config import BackendOptions
+from genlm_core.context import Context
 from genlm_core.errors import ClosedError
 from genlm_core.request import ContextChecker, Request
-from genlm_core.rows import RowMemory, RowsOut, nan_rows, normalise
+from genlm_core.rows import RowMemory, RowsOut, nan_rows, normalise, rows_block
 from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
 from genlm_core.validation import (
     check_int,
@@ -34,7 +35,7 @@ from genlm_core.validation import (
     check_token_id_set,
 )
 
-TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+TokenIds = Sequence[int] | Context | np.ndarray | torch.Tensor
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,26 @@ class AsyncLM(abc.ABC):
             )
         return request
 
+    def context(self, token_ids: TokenIds | Context = ()) -> Context:
+        """A :class:`~genlm_core.context.Context` handle of ``token_ids`` (default: empty), checked
+        against this model's vocabulary once, here. Extend it with ``ctx.extend(token)`` or
+        ``ctx + [tokens]`` (only new ids are checked) and pass it wherever token ids go: a request
+        of a handle reads none of its ids again, and finds the context it extends directly.
+
+        Raises TypeError/ValueError as :meth:`request` does (an empty context is allowed here)."""
+        self.ensure_open()
+        if type(token_ids) is Context and token_ids.vocab_size is not None and token_ids.vocab_size <= self.vocab_size:
+            return token_ids
+        if isinstance(token_ids, (torch.Tensor, np.ndarray)) or len(token_ids):
+            ids = self.contexts.request(token_ids, None).context
+        else:
+            ids = Context((), self.vocab_size)
+        if self.context_limit is not None and len(ids) > self.context_limit:
+            raise ValueError(
+                f"token_ids has {len(ids)} tokens, more than this model's limit of {self.context_limit} positions"
+            )
+        return ids
+
     async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids``, batched with concurrent calls."""
         request = self.request(token_ids, lora_name)
@@ -237,10 +258,27 @@ class AsyncLM(abc.ABC):
     async def batch_next_token_logprobs(
         self, token_ids_list: Iterable[TokenIds], lora_name: str | None = None
     ) -> torch.Tensor:
-        """Logprobs for several contexts at once, ``[len(token_ids_list), vocab_size]``."""
+        """Logprobs for several contexts at once, ``[len(token_ids_list), vocab_size]``: a program's
+        whole step in one submission (one future, not one per context). Contexts the output cache
+        holds are not computed again; equal contexts are computed once. Where the rows were computed
+        together, in order, the result is their block as computed (on the model's device where the
+        backend keeps rows there), not a copy: treat it as read-only."""
         requests = [self.request(ids, lora_name) for ids in _iterable(token_ids_list, "token_ids_list")]
-        rows = await asyncio.gather(*(self.request_logprobs(r) for r in requests))
-        return self._stack(rows)
+        return await self.requests_logprobs(requests)
+
+    async def requests_logprobs(self, requests: Sequence[Request]) -> torch.Tensor:
+        """:meth:`batch_next_token_logprobs` of requests made by :meth:`request`."""
+        if not requests:
+            return self._stack([])
+        if self.streams:
+            return self._stack(list(await asyncio.gather(*(self.request_logprobs(r) for r in requests))))
+        rows: list[torch.Tensor | None] = self.cache.get_many(requests)
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            todo = requests if len(missing) == len(requests) else [requests[i] for i in missing]
+            for i, row in zip(missing, await self.batcher.submit_many(todo, todo), strict=True):
+                rows[i] = row
+        return rows_block(rows)  # type: ignore[arg-type]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Iterable[TokenIds], lora_name: str | None = None
@@ -358,9 +396,7 @@ class AsyncLM(abc.ABC):
             for i, r in enumerate(requests):
                 if bad[i]:
                     rows[i] = Failed(
-                        FloatingPointError(
-                            f"{type(self).__name__} produced NaN logits for context of {len(r.token_ids)} tokens"
-                        )
+                        FloatingPointError(f"{type(self).__name__} produced NaN logits for context of {len(r)} tokens")
                     )
             good = [i for i in range(len(requests)) if not bad[i]]
             for i, row in zip(good, self.cache.put_many([requests[i] for i in good], [rows[i] for i in good])):
@@ -384,18 +420,17 @@ class AsyncLM(abc.ABC):
         Returns the generated ids; the EOS that stopped it is not included (as in genlm-backend).
         ``temperature=0`` is greedy. Concurrent calls are batched step by step through the same batcher.
         """
-        first = self.request(prompt_token_ids, lora_name)
+        request = self.request(prompt_token_ids, lora_name)
         max_tokens, eos, temperature, seed = self.check_sampling(max_tokens, eos_token_ids, temperature, seed)
         generator = torch.Generator().manual_seed(random.getrandbits(63) if seed is None else seed)
-        context = list(first.token_ids)
         generated: list[int] = []
         for _ in range(max_tokens):
-            logprobs = await self.request_logprobs(self.request(context, lora_name))
+            logprobs = await self.request_logprobs(request)
             token = sample_token(logprobs, temperature, generator)
             if token in eos:
                 break
             generated.append(token)
-            context.append(token)
+            request = self.request(request.context.extend(token), lora_name)
         return generated
 
     async def batch_sample(

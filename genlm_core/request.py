@@ -1,9 +1,11 @@
 """Requests: a validated snapshot of a context, the key it is cached and batched under.
 
 A particle program asks for a context, then for that context plus one token, and so on. What is
-done per request here costs the same for a context of 24 tokens or 8,000, apart from C-speed copies
-and comparisons: a request's hash reads a fixed number of ids (:func:`context_hash`), and a context
-that extends one checked recently by a token is checked in that token only (:class:`ContextChecker`).
+done per request here does not grow with the context for a :class:`~genlm_core.context.Context`
+handle (checked when it was made, hashed from its parent's sample), and for a list or tuple it is
+one C-speed snapshot plus a C-speed comparison with the context it extends: a request's hash reads a
+fixed number of ids (:func:`~genlm_core.context.sample_hash`), and a context that extends one checked
+recently by a token is checked in that token only (:class:`ContextChecker`).
 """
 
 from __future__ import annotations
@@ -14,31 +16,43 @@ import sys
 import threading
 from typing import Any
 
+from genlm_core.context import HASH_SAMPLE, Context, sample_hash
 from genlm_core.validation import check_token_ids
 
-#: Token ids sampled into a context's hash: the last ones and as many spread over the whole.
-HASH_SAMPLE = 32
+__all__ = ["HASH_SAMPLE", "ContextChecker", "Request", "context_hash", "untrack_ids"]
 
 
 class Request:
-    """One next-token request: the context (a tuple of ids) and the adapter active when it was made.
+    """One next-token request: the context (a :class:`~genlm_core.context.Context`) and the adapter
+    active when it was made.
 
-    A request is its own cache and batching key. Its hash is computed once, from the context's
-    length, its last :data:`HASH_SAMPLE` ids and as many spread over the rest, so hashing costs the
-    same for a context of 24 tokens or 8,000; equality compares the whole context (and adapter), so
-    two requests are equal exactly when their contexts are. Immutable.
+    A request is its own cache and batching key. Its hash is the context's (a fixed sample of its
+    ids, so hashing costs the same for 24 tokens or 8,000) with the adapter; equality compares the
+    whole context (shared storage by identity, at C speed) and the adapter, so two requests are
+    equal exactly when their contexts are. Immutable. ``token_ids`` is the context as one tuple
+    (made on first use); ``context`` is the handle, for code that should not read the whole context.
     """
 
-    __slots__ = ("_hash", "adapter", "token_ids")
+    __slots__ = ("_hash", "adapter", "context")
 
-    token_ids: tuple[int, ...]
+    context: Context
     adapter: str | None
     _hash: int
 
-    def __init__(self, token_ids: tuple[int, ...], adapter: str | None = None):
-        object.__setattr__(self, "token_ids", token_ids)
+    def __init__(self, token_ids: tuple[int, ...] | Context, adapter: str | None = None):
+        """``token_ids``: a context, or a tuple of ids already checked by the caller (it is not read)."""
+        context = token_ids if type(token_ids) is Context else Context.trusted(tuple(token_ids))
+        object.__setattr__(self, "context", context)
         object.__setattr__(self, "adapter", adapter)
-        object.__setattr__(self, "_hash", context_hash(token_ids, adapter))
+        object.__setattr__(self, "_hash", context._hash if adapter is None else hash((context._hash, adapter)))
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The context's ids as one tuple (made once per context, then kept)."""
+        return self.context.ids
+
+    def __len__(self) -> int:
+        return len(self.context)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Request is immutable (cannot set {name!r})")
@@ -51,29 +65,35 @@ class Request:
             return True
         if not isinstance(other, Request):
             return NotImplemented
-        return self._hash == other._hash and self.adapter == other.adapter and self.token_ids == other.token_ids
+        return self._hash == other._hash and self.adapter == other.adapter and self.context == other.context
 
     def __repr__(self) -> str:
-        ids = self.token_ids
-        shown = repr(ids)
-        if len(ids) > 12:
-            shown = f"({', '.join(map(str, ids[:4]))}, ..., {', '.join(map(str, ids[-4:]))})"
+        ids = self.context
+        shown = (
+            repr(ids.ids)
+            if len(ids) <= 12
+            else f"({', '.join(map(str, ids[:4]))}, ..., {', '.join(map(str, ids[-4:]))})"
+        )
         return f"Request(token_ids={shown} [{len(ids)} tokens], adapter={self.adapter!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Request, (self.token_ids, self.adapter))
+        return (Request, (self.context, self.adapter))
 
     def prefix(self, length: int) -> Request:
-        """The request for the first ``length`` tokens of this context, under the same adapter."""
-        return Request(self.token_ids[:length], self.adapter)
+        """The request for the first ``length`` tokens of this context, under the same adapter (the
+        context's storage is shared, not copied)."""
+        return Request(self.context.prefix(length), self.adapter)
+
+    def new_tokens(self, start: int) -> tuple[int, ...]:
+        """The ids from position ``start`` on (read from the end of the context: O(its length - start))."""
+        return self.context[start:]
 
 
 def context_hash(token_ids: tuple[int, ...], adapter: str | None = None, length: int | None = None) -> int:
-    """A hash of a context that reads at most ``2 * HASH_SAMPLE`` of its ids (see :class:`Request`):
-    equal contexts hash alike; different ones usually differ in length or in their last ids. With
-    ``length``: the hash of ``token_ids[:length]``, without making that slice."""
-    n = len(token_ids) if length is None else length
-    return hash((n, adapter, token_ids[max(0, n - HASH_SAMPLE) : n], token_ids[0 : n : n // HASH_SAMPLE + 1]))
+    """The hash of the request for ``token_ids[:length]`` (all by default) under ``adapter``, without
+    making that slice: equal to ``hash(Request(token_ids[:length], adapter))``."""
+    h = sample_hash(token_ids, length)
+    return h if adapter is None else hash((h, adapter))
 
 
 def _untracker() -> Any:
@@ -130,37 +150,54 @@ class ContextChecker:
         self.tokens = 0
         self.extended = 0  #: requests checked in their new token only
         self.checked = 0  #: requests checked whole
+        self.handles = 0  #: requests of contexts checked when they were made (read nothing)
         self._known: dict[int, Request] = {}  # by the request's hash; a candidate, compared whole before use
         self._lock = threading.Lock()
 
     def request(self, token_ids: Any, adapter: str | None) -> Request:
         """The request for ``token_ids`` under ``adapter``: a snapshot, checked (TypeError, ValueError)."""
-        if type(token_ids) is list or type(token_ids) is tuple:
+        kind = type(token_ids)
+        if kind is Context:
+            bound = token_ids._bound
+            if bound is not None and bound <= self.vocab_size:  # checked when it was made: read nothing
+                if not token_ids._n:
+                    check_token_ids((), self.vocab_size)  # the empty context's error
+                self.handles += 1
+                return Request(token_ids, adapter)
+            token_ids = token_ids.ids  # from a larger vocabulary, or never checked: checked whole
+        elif kind is list or kind is tuple:
             n = len(token_ids)
             if n >= 2:
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
                     snapshot = tuple(token_ids)
                     parent = self._known.get(context_hash(snapshot, adapter, n - 1))
-                    if parent is not None and parent.adapter == adapter and len(parent.token_ids) == n - 1:
+                    if parent is not None and parent.adapter == adapter and len(parent) == n - 1:
                         ids = parent.token_ids + (last,)
                         if ids == snapshot:
                             self.extended += 1
-                            return self._remember(Request(untrack_ids(ids), adapter))
+                            return self._remember(Request(Context.trusted(untrack_ids(ids), self.vocab_size), adapter))
         self.checked += 1
-        return self._remember(Request(untrack_ids(check_token_ids(token_ids, self.vocab_size)), adapter))
+        ids = untrack_ids(check_token_ids(token_ids, self.vocab_size))
+        return self._remember(Request(Context.trusted(ids, self.vocab_size), adapter))
+
+    @staticmethod
+    def _key(request: Request) -> int:
+        """What a request is remembered under: the hash :func:`context_hash` gives its context."""
+        return request._hash
 
     def _remember(self, request: Request) -> Request:
+        key = self._key(request)
         with self._lock:
             known = self._known
-            old = known.pop(request._hash, None)  # the same context again, or another of the same hash
+            old = known.pop(key, None)  # the same context again, or another of the same hash
             if old is not None:
-                self.tokens -= len(old.token_ids)
-            known[request._hash] = request
-            self.tokens += len(request.token_ids)
+                self.tokens -= len(old)
+            known[key] = request
+            self.tokens += len(request)
             while self.tokens > self.max_tokens and len(known) > 1:
                 oldest = known.pop(next(iter(known)))
-                self.tokens -= len(oldest.token_ids)
+                self.tokens -= len(oldest)
         return request
 
     def clear(self) -> None:

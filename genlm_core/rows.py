@@ -107,3 +107,23 @@ class RowMemory:
     def clear(self) -> None:
         """Forget every block (torch frees each once nothing else holds it)."""
         self._blocks.clear()
+
+
+def rows_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``rows`` (1-D, of one length) as one ``[len(rows), V]`` tensor: a view when they are
+    consecutive rows of one block (a batch computed together, in order), else a stacked copy."""
+    if not rows:
+        raise ValueError("rows_block needs at least one row")
+    first = rows[0]
+    base = first._base
+    if base is not None and first.dim() == 1 and first.stride() == (1,):
+        offsets = [row.storage_offset() for row in rows]
+        step = offsets[1] - offsets[0] if len(rows) > 1 else first.shape[0]
+        if (
+            step >= first.shape[0]
+            and all(row._base is base for row in rows)
+            and offsets == list(range(offsets[0], offsets[0] + step * len(rows), step))
+            and all(row.shape == first.shape and row.stride() == (1,) for row in rows)
+        ):
+            return first.as_strided((len(rows), first.shape[0]), (step, 1), offsets[0])
+    return torch.stack(list(rows))

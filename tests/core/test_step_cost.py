@@ -236,6 +236,7 @@ def test_the_checker_trusts_no_hash_alone(monkeypatch):
     from genlm_core.validation import check_token_ids
 
     monkeypatch.setattr(request_module, "context_hash", lambda *args, **kwargs: 7)
+    monkeypatch.setattr(request_module.ContextChecker, "_key", staticmethod(lambda request: 7))
     checker = ContextChecker(vocab_size=50)
     rng = random.Random(5)
     contexts = [[rng.randrange(50) for _ in range(rng.randint(1, 6))] for _ in range(40)]
