@@ -30,6 +30,6 @@ def register_backends(register: Register) -> None:
         "genlm_core.mock:MockAsyncLM.from_options",
         options=MockOptions,
         description="No model: deterministic random distributions over a real tokenizer's vocabulary.",
-        resolve_name="genlm_core.mock:tokenizer_location",
+        resolve_name="genlm_core.hub:resolve_tokenizer",
         default_priority=None,  # its rows are random: used only when named
     )

@@ -21,10 +21,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from genlm_core.assets import smollm2_dir, smollm2_path
+from genlm_core.assets import TOKENIZERS, smollm2_dir, smollm2_path
+from genlm_core.assets import load_tokenizer as builtin_tokenizer
 from genlm_core.errors import MissingDependencyError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    from genlm_core.tokenization import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +218,36 @@ def resolve_model(name: str, known: Iterable[str] = ()) -> str:
     return name
 
 
+def resolve_tokenizer(name: str) -> str:
+    """Where tokenizer ``name`` is, for a backend whose model name is a tokenizer (the ``mock``, the
+    template's ``example``): a local folder; a tokenizer genlm builds offline
+    (:data:`genlm_core.assets.TOKENIZERS`: ``gpt2``, ``mistral-v1``, ``mistral-v3``, ``tekken``; kept as
+    the name); else what :func:`resolve_model` finds (an offline model, the Hugging Face cache, the hub).
+    Anything else raises :class:`~genlm_core.errors.ModelNotFoundError` at once, in one line, with close
+    names among these (no retries of an unreachable hub). Register it as the backend's
+    ``resolve_name="genlm_core.hub:resolve_tokenizer"`` and load with :func:`load_tokenizer_by_name`.
+
+    >>> resolve_tokenizer("gpt2")
+    'gpt2'
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a tokenizer name must be a non-empty str, got {name!r}")
+    if name in TOKENIZERS or Path(name).expanduser().exists():
+        return name
+    return resolve_model(name, known=TOKENIZERS)
+
+
+def load_tokenizer_by_name(name: str) -> Tokenizer:
+    """The tokenizer :func:`resolve_tokenizer` finds for ``name``: a built-in one built offline (once per
+    machine), else ``AutoTokenizer.from_pretrained`` of where it is."""
+    location = resolve_tokenizer(name)
+    if location in TOKENIZERS and not Path(location).exists():
+        return builtin_tokenizer(location)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(location)
+
+
 def _on_hub(repo_id: str) -> bool:
     """Whether the hub has ``repo_id``; True when it cannot tell (a gated model, a server error), so
     the loader's own error is shown then."""
@@ -228,4 +263,13 @@ def _on_hub(repo_id: str) -> bool:
     return True
 
 
-__all__ = ["OFFLINE_MODELS", "OfflineModel", "cached_models", "hub_problem", "offline_model", "resolve_model"]
+__all__ = [
+    "OFFLINE_MODELS",
+    "OfflineModel",
+    "cached_models",
+    "hub_problem",
+    "load_tokenizer_by_name",
+    "offline_model",
+    "resolve_model",
+    "resolve_tokenizer",
+]

@@ -8,17 +8,14 @@ import hashlib
 import time
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from genlm_core.assets import TOKENIZERS
-from genlm_core.assets import load_tokenizer as builtin_tokenizer
 from genlm_core.config import BackendOptions
-from genlm_core.hub import resolve_model
+from genlm_core.hub import load_tokenizer_by_name
 from genlm_core.lm import AsyncLM, Request
 from genlm_core.tokenization import Tokenizer
 
@@ -31,26 +28,6 @@ class MockOptions(BackendOptions):
     vocab_padding: int = Field(0, ge=0, description="Extra logit columns beyond the tokenizer, as padded models have.")
     delay: float = Field(0.0, ge=0, description="Seconds each batch takes, to simulate model latency.")
     keep_batches: int = Field(1000, ge=0, description="Most recent batches kept in `.batches` (memory stays bounded).")
-
-
-def tokenizer_location(name: str) -> str:
-    """Where the mock's tokenizer ``name`` is: a local folder, a built-in offline tokenizer (``gpt2``,
-    ``mistral-v1``, ... : kept as the name), or what :func:`~genlm_core.hub.resolve_model` finds
-    (an offline model, the Hugging Face cache, the hub); else a one-line
-    :class:`~genlm_core.errors.ModelNotFoundError`. The mock backend's ``resolve_name``."""
-    if Path(name).expanduser().exists() or name in TOKENIZERS:
-        return name
-    return resolve_model(name, known=TOKENIZERS)
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer of :func:`tokenizer_location`; built-in names are built offline, once per machine."""
-    from transformers import AutoTokenizer
-
-    location = tokenizer_location(name)
-    if location in TOKENIZERS and not Path(location).exists():
-        return builtin_tokenizer(location)
-    return AutoTokenizer.from_pretrained(location)
 
 
 class MockAsyncLM(AsyncLM):
@@ -70,9 +47,9 @@ class MockAsyncLM(AsyncLM):
 
     @classmethod
     def from_options(cls, model_name: str, options: MockOptions) -> MockAsyncLM:
-        """Mock model over the tokenizer ``model_name`` (see :func:`load_tokenizer`); the registry
-        factory (``from_name`` takes the options as keywords)."""
-        return cls(load_tokenizer(model_name), options)
+        """Mock model over the tokenizer ``model_name`` (see :func:`genlm_core.hub.resolve_tokenizer`);
+        the registry factory (``from_name`` takes the options as keywords)."""
+        return cls(load_tokenizer_by_name(model_name), options)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """The mock's raw logits for one context (what a model would return)."""

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from genlm_core import AsyncLM, Request, Tokenizer
+from genlm_core.hub import load_tokenizer_by_name
 from genlm_example.options import BigramOptions
 
 DEFAULT_CORPUS = (
@@ -41,11 +42,10 @@ class BigramLM(AsyncLM):
 
     @classmethod
     def from_options(cls, model_name: str, options: BigramOptions) -> BigramLM:
-        """The registry factory: ``model_name`` is a tokenizer (a local folder or a hub name)."""
-        from transformers import AutoTokenizer
-
+        """The registry factory: ``model_name`` is a tokenizer (a local folder, a tokenizer genlm builds
+        offline such as ``gpt2``, or a hub name; see :func:`genlm_core.hub.resolve_tokenizer`)."""
         text = Path(options.corpus).read_text(encoding="utf-8") if options.corpus else DEFAULT_CORPUS
-        return cls(AutoTokenizer.from_pretrained(model_name), text, options)
+        return cls(load_tokenizer_by_name(model_name), text, options)
 
     def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
         k = self.options.smoothing
