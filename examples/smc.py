@@ -7,9 +7,12 @@ multiplies its weight by the mass the mask kept, so the weighted particles targe
 model conditioned on the constraint. When the effective sample size falls below
 ``--ess-threshold`` times N, the particles are resampled (multinomially, by weight) and the mean
 weight goes into the estimate of log Z, the log-probability that the model satisfies the
-constraint. Every particle awaits its own ``next_token_logprobs`` call; ``asyncio.gather`` issues
-them concurrently and genlm batches them (the program contains no batching code); the step's rows
-are then masked and sampled in one pass by :func:`genlm_core.proposal.masked_proposal`.
+constraint. Each particle holds its context as a :class:`~genlm_core.Context` handle (``lm.context``,
+then ``extend`` by a token: no copy, and genlm never reads the whole context again; resampled
+particles share their parent's). Every particle awaits its own ``next_token_logprobs`` call;
+``asyncio.gather`` issues them concurrently and genlm batches them (the program contains no batching
+code); the step's rows are then masked and sampled in one pass by
+:func:`genlm_core.proposal.masked_proposal`.
 
     python examples/smc.py                       # offline default: SmolLM2-135M on the hf backend
     python examples/smc.py --backend mock --model gpt2
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genlm_core import AsyncLM, load_model_by_name
+from genlm_core import AsyncLM, Context, load_model_by_name
 from genlm_core.cli import table
 from genlm_core.proposal import masked_proposal
 
@@ -39,7 +42,7 @@ log = logging.getLogger("genlm.examples.smc")
 
 @dataclass
 class Particle:
-    token_ids: list[int]
+    token_ids: Context
     log_weight: float = 0.0
     done: bool = False
     generated: list[int] = field(default_factory=list)
@@ -75,7 +78,7 @@ async def step(lm: AsyncLM, live: list[Particle], mask: torch.Tensor, eos_ids: s
     proposal = masked_proposal(torch.stack(rows), mask, generator=gen)
     for p, token, log_kept in zip(live, proposal.tokens.tolist(), proposal.log_kept.tolist()):
         p.log_weight += log_kept  # the incremental importance weight
-        p.token_ids.append(token)
+        p.token_ids = p.token_ids.extend(token)
         p.generated.append(token)
         p.done = token in eos_ids
 
@@ -86,7 +89,7 @@ def resample(particles: list[Particle], gen: torch.Generator) -> tuple[list[Part
     log_mean = float(torch.logsumexp(log_w, 0)) - math.log(len(particles))
     ancestors = torch.multinomial(torch.softmax(log_w, 0), len(particles), replacement=True, generator=gen)
     chosen = [particles[a] for a in ancestors.tolist()]
-    return [Particle(list(p.token_ids), 0.0, p.done, list(p.generated)) for p in chosen], log_mean
+    return [Particle(p.token_ids, 0.0, p.done, list(p.generated)) for p in chosen], log_mean
 
 
 async def smc(
@@ -101,7 +104,8 @@ async def smc(
 ) -> SMCResult:
     """Run SMC for at most ``max_tokens`` steps; resample when ESS < ``ess_threshold * n``."""
     gen = torch.Generator().manual_seed(seed)
-    particles = [Particle(list(prompt_ids)) for _ in range(n)]
+    prompt = lm.context(prompt_ids)
+    particles = [Particle(prompt) for _ in range(n)]
     log_z, resamples = 0.0, 0
     for t in range(max_tokens):
         live = [p for p in particles if not p.done]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from genlm_core import Context
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "smc.py"
 spec = importlib.util.spec_from_file_location("genlm_example_smc", EXAMPLE)
 assert spec is not None and spec.loader is not None
@@ -31,6 +33,9 @@ class SmallLM:
 
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
         return self.row(ids)
+
+    def context(self, ids: list[int]) -> Context:
+        return Context(ids, VOCAB)
 
 
 def exact_z(lm: SmallLM, ids: list[int], steps: int) -> float:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from genlm_core.closing import CLOSED, Closed
+from genlm_core.context import Context
 from genlm_core.errors import ClosedError
 from genlm_core.lm import AsyncLM
 from genlm_core.validation import as_bytes, check_bool, check_int, check_real, check_seed, is_int
@@ -136,7 +137,7 @@ class ByteBeamState:
         self.states = sorted(states, key=lambda s: -s.weight)
         self.params = params
         self.trie = trie if trie is not None else (states[0].trie if states else None)
-        self._masses_seen: dict[tuple[int, ...], Masses] = {}  # by context, from prefill's prefetch
+        self._masses_seen: dict[Context, Masses] = {}  # by context, from prefill's prefetch
 
     def _ensure_open(self) -> None:
         if self.trie is not None and self.trie.closed:
@@ -194,7 +195,7 @@ class ByteBeamState:
         if self._masses_seen:  # computed by the prefetch from the same rows
             for e in keep:
                 if e.masses is None:
-                    e.masses = self._masses_seen.get(tuple(e.lm_state.context))
+                    e.masses = self._masses_seen.get(e.lm_state.context)
         return list(await asyncio.gather(*(e.materialize() for e in keep)))
 
     async def __lshift__(self, b: int) -> ByteBeamState:

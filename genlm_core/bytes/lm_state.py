@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from genlm_core.context import Context
 from genlm_core.lm import AsyncLM
 from genlm_core.validation import check_int
 
@@ -35,23 +37,32 @@ def default_initial_context(lm: AsyncLM) -> list[int]:
 class StatefulTokenizedLM:
     """A token context and the model that continues it; ``state << token`` returns a new state.
 
-    ``max_context_length`` (kept by every derived state) caps the context: the oldest tokens are
-    dropped first.
+    The context is a :class:`~genlm_core.context.Context` handle of the model: a state extends its
+    parent's in O(1), and its request reads none of its ids again. ``max_context_length`` (kept by
+    every derived state) caps the context: the oldest tokens are dropped first.
     """
 
     __slots__ = ("context", "max_context_length", "model", "n_calls")
 
-    def __init__(self, model: AsyncLM, context: list[int], max_context_length: int | None = None, n_calls: int = 0):
+    def __init__(
+        self,
+        model: AsyncLM,
+        context: Sequence[int] | Context,
+        max_context_length: int | None = None,
+        n_calls: int = 0,
+    ):
         if max_context_length is not None:
             max_context_length = check_int(max_context_length, "max_context_length", 1)
         self.model = model
-        self.context = context if max_context_length is None else context[-max_context_length:]
+        if max_context_length is not None and len(context) > max_context_length:
+            context = context[len(context) - max_context_length :]
+        self.context: Context = model.context(context)
         self.max_context_length = max_context_length
         self.n_calls = n_calls
 
     @classmethod
     def initial(
-        cls, model: AsyncLM, initial_context: list[int] | None = None, max_context_length: int | None = None
+        cls, model: AsyncLM, initial_context: Sequence[int] | None = None, max_context_length: int | None = None
     ) -> StatefulTokenizedLM:
         """The starting state: ``initial_context``, or :func:`default_initial_context`."""
         context = list(initial_context) if initial_context is not None else default_initial_context(model)
@@ -60,7 +71,7 @@ class StatefulTokenizedLM:
     def __lshift__(self, token: int) -> StatefulTokenizedLM:
         if type(token) is not int:
             token = check_int(token, "token")
-        return StatefulTokenizedLM(self.model, [*self.context, token], self.max_context_length, self.n_calls)
+        return StatefulTokenizedLM(self.model, self.context.extend(token), self.max_context_length, self.n_calls)
 
     async def logp_next(self) -> torch.Tensor:
         """Next-token log-probabilities after the context (batched with concurrent calls)."""

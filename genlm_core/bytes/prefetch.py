@@ -17,13 +17,12 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from genlm_core.context import Context
 from genlm_core.lm import AsyncLM
 
 from .lm_state import StatefulTokenizedLM
 from .trie import Masses, TokenByteTrie, TrieMode
 from .trie_state import LazyTrieState
-
-Context = tuple[int, ...]
 
 
 class Bound(NamedTuple):
@@ -107,7 +106,7 @@ def commits(h: Bound, trie: TokenByteTrie, root_child: int | None, cached: Cache
         if made is None:
             continue
         committed = h.lm_state << token_id
-        masses = cached(tuple(committed.context))
+        masses = cached(committed.context)
         if root_child is not None:
             following = descend(committed, trie.root, root_child, made.weight, masses, kept)
             if following is not None:
