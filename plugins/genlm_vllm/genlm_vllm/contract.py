@@ -12,6 +12,12 @@ The CUDA build cannot run on a machine without a GPU, but its sources can be rea
 3. each vLLM class we subclass (both logits-processor interfaces, the KV-connector base) has no
    abstract method our class leaves out, and every method we override takes the parameters the
    release's base declares, in its order.
+
+Some supported releases lack a part of vLLM's internals (:data:`~genlm_vllm.vllm_api.FEATURES`:
+vLLM 0.26 has no logits-processor interface in Model Runner V2, for one). Whether a release has
+each feature is read from its sources; what genlm-vllm uses with the feature is checked where the
+release has it, and what it uses instead where it does not. The report names the features a release
+lacks and what genlm-vllm does there.
 """
 
 from __future__ import annotations
@@ -31,12 +37,16 @@ from pathlib import Path
 
 from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, PROCESSORS
 
-#: vLLM classes genlm-vllm subclasses (source file, class) -> our class ("module:Class", as vLLM loads it).
+#: vLLM classes genlm-vllm subclasses (source file, class) -> (our class, "module:Class" as vLLM loads
+#: it; the feature it needs, "" for none).
 SUBCLASSES = {
-    ("v1/sample/logits_processor/interface.py", "LogitsProcessor"): PROCESSORS["v1"],
-    ("v1/worker/gpu/sample/logits_processor/interface.py", "LogitsProcessor"): PROCESSORS["v2"],
-    ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1"): f"{CONNECTOR_MODULE}:{CONNECTOR}",
-    ("distributed/kv_transfer/kv_connector/v1/base.py", "SupportsHMA"): f"{CONNECTOR_MODULE}:{CONNECTOR}",
+    ("v1/sample/logits_processor/interface.py", "LogitsProcessor"): (PROCESSORS["v1"], ""),
+    ("v1/worker/gpu/sample/logits_processor/interface.py", "LogitsProcessor"): (
+        PROCESSORS["v2"],
+        "v2-logits-processors",
+    ),
+    ("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1"): (f"{CONNECTOR_MODULE}:{CONNECTOR}", ""),
+    ("distributed/kv_transfer/kv_connector/v1/base.py", "SupportsHMA"): (f"{CONNECTOR_MODULE}:{CONNECTOR}", ""),
 }
 
 
@@ -264,19 +274,40 @@ def _vllm_imports() -> list[tuple[str, str]]:
     return found
 
 
-def check(root: Path) -> list[str]:
-    """Every way the release whose ``vllm`` package folder is ``root`` breaks genlm-vllm's use of it."""
-    from genlm_vllm.vllm_api import INTERFACES
+def features(root: Path) -> dict[str, bool]:
+    """Which of :data:`~genlm_vllm.vllm_api.FEATURES` the release whose ``vllm`` folder is ``root`` has."""
+    from genlm_vllm.vllm_api import FEATURES
 
     release = Release(root)
+    return {name: release.member(f.path, f.marker) is not None for name, f in FEATURES.items()}
+
+
+def _needed(feature: str, has: dict[str, bool]) -> bool:
+    """Whether an interface tagged ``feature`` ("", "name" or "!name") is used with this release."""
+    if not feature:
+        return True
+    return not has[feature[1:]] if feature.startswith("!") else has[feature]
+
+
+def check(root: Path) -> list[str]:
+    """Every way the release whose ``vllm`` package folder is ``root`` breaks genlm-vllm's use of it."""
+    from genlm_vllm.vllm_api import FEATURES, INTERFACES
+
+    release = Release(root)
+    has = features(root)
+    optional = {module: name for name, f in FEATURES.items() for module in f.modules}
     problems: list[str] = []
     for module, name in _vllm_imports():
+        if module in optional and not has[optional[module]]:
+            continue  # imported only where the release has the feature
         path = release.module_path(module)
         if path is None:
             problems.append(f"module {module} is missing")
         elif name and release.definition(path, name) is None:
             problems.append(f"{module} has no {name}")
     for interface in INTERFACES:
+        if not _needed(interface.feature, has):
+            continue
         where = f"{interface.path}: {interface.name}"
         node = release.member(interface.path, interface.name)
         if node is None:
@@ -296,8 +327,9 @@ def check(root: Path) -> list[str]:
             missing = [a for a in interface.attributes if a not in members]
             if missing:
                 problems.append(f"{where} has no attribute {', '.join(missing)}")
-    for (path, name), ours in SUBCLASSES.items():
-        problems += _check_subclass(release, path, name, ours)
+    for (path, name), (ours, feature) in SUBCLASSES.items():
+        if _needed(feature, has):
+            problems += _check_subclass(release, path, name, ours)
     return problems
 
 
@@ -333,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     roots = [(f"vllm {v}", release_sources(f"vllm=={v}")) for v in args.versions]
     if args.installed or not roots:
         roots.append(("installed vllm", installed_sources()))
+    from genlm_vllm.vllm_api import FEATURES
+
     failed = False
     for label, root in roots:
         problems = check(root)
@@ -340,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}: " + ("OK" if not problems else f"{len(problems)} problems"))
         for problem in problems:
             print(f"  {problem}")
+        for name, present in features(root).items():
+            if not present:
+                print(f"  without {name}: {FEATURES[name].without}")
     return 1 if failed else 0
 
 

