@@ -191,6 +191,17 @@ class Context(Sequence[int]):
     def __contains__(self, value: object) -> bool:
         return value in self.ids
 
+    def take(self, positions: Iterable[int]) -> list[int]:
+        """The ids at ``positions`` (each in ``[0, len)``), read in place: a sample of a long context
+        without making its tuple."""
+        if self._flat is not None:
+            flat = self._flat
+            return [flat[i] for i in positions]
+        chunks, tail = self._chunks, self._tail
+        assert chunks is not None and tail is not None
+        full = len(chunks) * CHUNK
+        return [tail[i - full] if i >= full else chunks[i // CHUNK][i % CHUNK] for i in positions]
+
     def tolist(self) -> list[int]:
         """The ids as a new list."""
         return list(self)

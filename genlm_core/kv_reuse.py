@@ -120,7 +120,7 @@ class KVRow:
     ``ids`` is the shared prefix alone.
     """
 
-    ids: tuple[int, ...]
+    ids: Sequence[int]
     done: int = 0
     entry: Entry | None = None
     tree: TokenTree | None = None
@@ -128,7 +128,7 @@ class KVRow:
     @property
     def new(self) -> tuple[int, ...]:
         """The tokens this row runs through the model."""
-        return self.tree.tokens if self.tree is not None else self.ids[self.done :]
+        return self.tree.tokens if self.tree is not None else tuple(self.ids[self.done :])
 
     def ancestors(self, j: int) -> list[int]:
         """Indices among :attr:`new` of token ``j`` and the new tokens before it in its sequence."""
@@ -537,7 +537,7 @@ class KVReuse(abc.ABC):
         out: torch.Tensor | None = None
         for adapter, rows in by_adapter.items():
             with self.adapter_context(adapter):
-                logits = self.kv_logits([requests[i].token_ids for i in rows], adapter)
+                logits = self.kv_logits([requests[i].context for i in rows], adapter)
             if len(by_adapter) == 1:  # the logits as the model computed them: core normalises them in one pass
                 return logits
             if out is None:
@@ -546,7 +546,7 @@ class KVReuse(abc.ABC):
         assert out is not None
         return out
 
-    def kv_logits(self, sequences: Sequence[tuple[int, ...]], namespace: Any = None) -> torch.Tensor:
+    def kv_logits(self, sequences: Sequence[Sequence[int]], namespace: Any = None) -> torch.Tensor:
         """Last-position logits for each sequence, reusing and then storing KV states under ``namespace``."""
         rows = []
         for ids in sequences:
@@ -578,7 +578,7 @@ class KVReuse(abc.ABC):
         self,
         rows: list[KVRow],
         namespace: Any,
-        sequences: list[tuple[int, ...]] | None = None,
+        sequences: list[Sequence[int]] | None = None,
         where: list[tuple[int, int]] | None = None,
         plan: BatchPlan | None = None,
     ) -> tuple[torch.Tensor, list[Entry]]:

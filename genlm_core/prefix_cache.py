@@ -3,15 +3,19 @@
 Backends keep model state (KV caches) for token sequences they have run. A value is usually a
 view into a larger *block* of storage shared by several sequences (one batch's KV tensors), so
 each entry names its block and the block's bytes are counted once, while any entry uses it.
+
+Sequences are kept as :class:`~genlm_core.context.Context` handles: a lookup of a handle's prefixes
+hashes each in O(1) and finds its parent directly (a tuple is wrapped without a copy).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from genlm_core.context import Context
 from genlm_core.validation import check_int
 
 V = TypeVar("V")
@@ -44,7 +48,7 @@ class PrefixCache(Generic[V]):
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[tuple[Hashable, tuple[int, ...]], tuple[Any, Any]] = OrderedDict()
+        self._entries: OrderedDict[tuple[Hashable, Context], tuple[Any, Any]] = OrderedDict()
         self._lengths: dict[Hashable, Counter[int]] = {}
         self._blocks: dict[int, list[Any]] = {}  # id(block) -> [block, nbytes, users]
         self._newest_block: int | None = None
@@ -53,9 +57,9 @@ class PrefixCache(Generic[V]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, namespace: Hashable, tokens: tuple[int, ...], value: V, block: Any, nbytes: int) -> None:
+    def put(self, namespace: Hashable, tokens: Sequence[int], value: V, block: Any, nbytes: int) -> None:
         """Cache ``value`` for ``tokens``; ``block`` is the storage it lives in (``nbytes`` large)."""
-        key = (namespace, tokens)
+        key = (namespace, as_context(tokens))
         with self._lock:
             if key in self._entries:
                 self._drop(key)
@@ -70,15 +74,16 @@ class PrefixCache(Generic[V]):
             self._evict()
 
     def longest_prefix(
-        self, namespace: Hashable, tokens: tuple[int, ...], max_length: int | None = None
+        self, namespace: Hashable, tokens: Sequence[int], max_length: int | None = None
     ) -> PrefixHit[V] | None:
         """The cached entry for the longest prefix of ``tokens`` (at most ``max_length`` long), or None."""
         limit = len(tokens) if max_length is None else min(max_length, len(tokens))
+        context = as_context(tokens)
         with self._lock:
             lengths = self._lengths.get(namespace)
             if lengths:
                 for length in sorted((n for n in lengths if n <= limit), reverse=True):
-                    key = (namespace, tokens[:length])
+                    key = (namespace, context.prefix(length))
                     found = self._entries.get(key)
                     if found is not None:
                         self._entries.move_to_end(key)
@@ -87,7 +92,7 @@ class PrefixCache(Generic[V]):
             self.misses += 1
             return None
 
-    def _drop(self, key: tuple[Hashable, tuple[int, ...]]) -> None:
+    def _drop(self, key: tuple[Hashable, Context]) -> None:
         _, block = self._entries.pop(key)
         lengths = self._lengths[key[0]]
         lengths[len(key[1])] -= 1
@@ -113,3 +118,8 @@ class PrefixCache(Generic[V]):
             self._blocks.clear()
             self._newest_block = None
             self.nbytes = 0
+
+
+def as_context(tokens: Sequence[int]) -> Context:
+    """``tokens`` as a context: a handle as it is, anything else as a tuple wrapped without a check."""
+    return tokens if type(tokens) is Context else Context.trusted(tuple(tokens))

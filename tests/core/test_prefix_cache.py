@@ -62,3 +62,28 @@ def test_eviction_by_bytes_keeps_the_newest_block_even_when_it_alone_is_over_the
     assert cache.nbytes == 500  # over the bound: the batch just stored survives to be extended
     cache.put(None, (4,), "next", Block("next"), 10)  # a newer block: now the big one can go
     assert cache.nbytes == 10 and cache.longest_prefix(None, (2,)) is None
+
+
+def test_handles_lists_and_tuples_of_one_sequence_are_one_entry():
+    """Random sequences stored and looked up in every form: each lookup finds the entry of the longest
+    stored prefix (brute force over what was stored), whatever form stored it or asks."""
+    import random
+
+    from genlm_core.context import CHUNK, Context
+
+    rng = random.Random(2)
+    cache: PrefixCache[int] = PrefixCache(max_entries=10_000)
+    block = Block("b")
+    stored: dict[tuple[int, ...], int] = {}
+    root = Context([rng.randrange(50) for _ in range(CHUNK + 5)], 50)
+    contexts = [root]
+    for i in range(300):
+        ctx = rng.choice(contexts).extend(rng.randrange(50))
+        contexts.append(ctx)
+        form = rng.choice([ctx, tuple(ctx), list(ctx)])
+        if rng.random() < 0.4:
+            cache.put(None, form, i, block, 1)
+            stored[tuple(ctx)] = i
+        hit = cache.longest_prefix(None, form, len(ctx) - 1)
+        best = max((n for n in range(1, len(ctx)) if tuple(ctx)[:n] in stored), default=None)
+        assert (hit is None and best is None) or (hit.length == best and hit.value == stored[tuple(ctx)[:best]])

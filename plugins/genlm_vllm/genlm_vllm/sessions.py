@@ -80,7 +80,7 @@ class SessionEngine(LiveEngine[str, None]):
         computed = 0
         for piece in pieces:
             request = piece.request
-            args = {**self.extra_args[piece.index], CONTEXT: context_fingerprint(request.token_ids)}
+            args = {**self.extra_args[piece.index], CONTEXT: context_fingerprint(request.context)}
             if piece.fresh:
                 tokens = request.token_ids  # vLLM's prefix cache and the fork serve what is held
                 source = self._sources.pop(piece.seq, None)
@@ -92,7 +92,7 @@ class SessionEngine(LiveEngine[str, None]):
             params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
             self.core.add_chunk(piece.seq, tokens, params, self.loras[piece.index], resumable=piece.keep)
             chunks[piece.seq] = piece.index
-        failed, work = self._wait(chunks, sum(len(p.request.token_ids) for p in pieces))
+        failed, work = self._wait(chunks, sum(len(p.request) for p in pieces))
         return Ran(None, failed, computed + work[0], work[2], work[1])
 
     def _wait(self, chunks: dict[str, int], tokens: int) -> tuple[dict[int, BaseException], list[int]]:

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from genlm_core.context import Context
+
 # ---- extra_args keys ------------------------------------------------------------------------------
 
 TAG = "genlm_capture"  #: the request's tag (a string): its row is captured and matched by it
@@ -52,7 +54,9 @@ def context_fingerprint(token_ids: Sequence[int]) -> list[int]:
     """``[length, hash]`` of a context, the hash of the ids at :func:`fingerprint_positions` (ints
     hash alike in every process): what the engine checks a request runs on, in time independent of
     the context's length. Rows are matched by tag; this catches a request run on another context."""
-    return [len(token_ids), hash(tuple(token_ids[i] for i in fingerprint_positions(len(token_ids))))]
+    positions = fingerprint_positions(len(token_ids))
+    sample = token_ids.take(positions) if isinstance(token_ids, Context) else [token_ids[i] for i in positions]
+    return [len(token_ids), hash(tuple(sample))]
 
 
 # ---- the shared-memory slot file ------------------------------------------------------------------
