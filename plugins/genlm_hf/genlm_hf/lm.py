@@ -4,7 +4,8 @@ Core's :class:`~genlm_core.kv_reuse.KVReuse` runs the forward step (which states
 layout, the gather index, the masks, what to store, LoRA adapters grouped); this module implements
 its protocol on torch: :meth:`AsyncTransformer.gather_kv` (stored states into a past, by index, with
 room for the new tokens) and :meth:`AsyncTransformer.run_step` (the model over a past held in a
-``DynamicCache``, new states written into its room, the head only where logits are wanted).
+``DynamicCache``, new states written into its room, the head only where logits are wanted). Every
+transformers internal it uses is in :mod:`genlm_hf.transformers_api`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from genlm_core import AsyncLM, LoRASelection, Request, Tokenizer
 from genlm_core.hub import resolve_model
 from genlm_core.kv_reuse import KV, Gather, GatherPart, KVReuse, Step
+from genlm_hf import transformers_api
 from genlm_hf.options import HFOptions
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ _RECURRENT_MODEL_TYPES = {
 
 def kv_reuse_problem(model: Any) -> str | None:
     """Why this model's KV cache cannot be extended from stored states (None if it can)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = transformers_api.text_config(model)
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder model"
     if getattr(config, "model_type", "") in _RECURRENT_MODEL_TYPES:
@@ -56,7 +58,7 @@ def kv_reuse_problem(model: Any) -> str | None:
 def position_limit(model: Any) -> int | None:
     """The most positions a model with learned absolute position embeddings (GPT-2's ``wpe``, OPT's
     ``embed_positions``) can take; None for relative schemes (RoPE, ALiBi), which have no hard limit."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = transformers_api.text_config(model)
     limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     if limit is None:
         return None
@@ -65,55 +67,6 @@ def position_limit(model: Any) -> int | None:
         if isinstance(module, torch.nn.Embedding) and (leaf == "wpe" or "position" in leaf):
             return int(limit)
     return None
-
-
-def _dynamic_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None, length: int | None = None) -> Any:
-    """A DynamicCache holding ``kv`` without copying it. With ``length``, ``kv`` holds the past in its first
-    ``length`` positions and has room after them for the new tokens, which are written there in place;
-    else the model's update concatenates (a copy of the past, never a write into it)."""
-    from transformers import DynamicCache
-
-    if kv is None:
-        return DynamicCache()
-    if length is not None:
-        cache = DynamicCache()
-        cache.layers = [_layer_with_room()(k, v, length) for k, v in kv]
-        return cache
-    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
-    layer: Any  # full-attention layers (the only kind KV reuse runs on)
-    for layer, (k, v) in zip(cache.layers, kv):
-        layer.keys, layer.values = k, v
-    return cache
-
-
-@functools.cache
-def _layer_with_room() -> type:
-    """A transformers cache layer over a past allocated with room for the new tokens (defined on first
-    use, so that importing genlm_hf does not import transformers)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class LayerWithRoom(DynamicLayer):
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-            super().__init__()
-            self.room: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
-            self.length = length  # positions of the room holding states
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            start, end = self.length, self.length + key_states.shape[-2]
-            if self.room is None or end > self.room[0].shape[-2]:  # no room left: concatenate from now on
-                self.room = None
-                return super().update(key_states, value_states, *args, **kwargs)
-            keys, values = self.room
-            keys[:, :, start:end] = key_states
-            values[:, :, start:end] = value_states
-            self.length = end
-            self.keys, self.values = keys[:, :, :end], values[:, :, :end]
-            return self.keys, self.values
-
-    return LayerWithRoom
 
 
 class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
@@ -139,7 +92,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             )
         self.init_kv_reuse(o, o.reuse_kv and problem is None)
         # packed rows need arbitrary 4-D masks, which the sdpa and eager attentions take (flash does not)
-        attention = getattr(model.config, "_attn_implementation", None)
+        attention = transformers_api.attention_implementation(model)
         self.packs_shared_tokens = self.reuse_kv and attention in ("sdpa", "eager")
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         for name, path in o.lora.items():
@@ -164,20 +117,16 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         """
         hf = dict(hf_opts or {})
         if bitsandbytes_opts:
-            from transformers import BitsAndBytesConfig
-
-            hf["quantization_config"] = BitsAndBytesConfig(**bitsandbytes_opts)
+            hf["quantization_config"] = transformers_api.bitsandbytes_config(**bitsandbytes_opts)
         return cls.from_options(model_id, HFOptions(**kwargs, hf_opts=hf))
 
     @classmethod
     def from_options(cls, model_id: str, options: HFOptions) -> AsyncTransformer:
         """The registry factory: load ``model_id`` with validated options (a local folder, ``smollm2``,
         or a hub id; see :func:`genlm_core.hub.resolve_model`)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         model_id = resolve_model(model_id)
-        tokenizer = AutoTokenizer.from_pretrained(model_id, trust_remote_code=options.trust_remote_code)
-        model: Any = AutoModelForCausalLM.from_pretrained(model_id, **load_kwargs(options))
+        tokenizer = transformers_api.load_tokenizer(model_id, trust_remote_code=options.trust_remote_code)
+        model: Any = transformers_api.load_causal_lm(model_id, **load_kwargs(options))
         if options.device_map is None and not (options.load_in_8bit or options.load_in_4bit):
             model = model.to(resolve_device(options.device))
         return cls(model, tokenizer, options)
@@ -236,7 +185,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             "input_ids": self._tensor(step.input_ids),
             "attention_mask": mask,
             "position_ids": self._tensor(step.positions),
-            "past_key_values": _dynamic_cache(step.past, step.past_length if step.room else None),
+            "past_key_values": transformers_api.kv_cache(step.past, step.past_length if step.room else None),
             "use_cache": True,
         }
         if all(c == step.width - 1 for c in columns):
@@ -251,7 +200,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             kept = sorted(set(columns))
             out = self.model(**inputs, logits_to_keep=torch.tensor(kept, device=self.device))
             logits = out.logits[rows, torch.tensor([kept.index(c) for c in columns], device=self.device), :]
-        return logits, [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return logits, transformers_api.cache_states(out.past_key_values)
 
     def _causal_lm(self) -> Any:
         """The transformers model, under a peft wrapper if LoRA adapters are loaded (peft changes its
@@ -340,10 +289,8 @@ def load_kwargs(options: HFOptions) -> dict[str, Any]:
     if options.device_map is not None:
         kwargs["device_map"] = options.device_map
     if options.load_in_8bit or options.load_in_4bit:
-        from transformers import BitsAndBytesConfig
-
         compute = options.bnb_4bit_compute_dtype
-        kwargs["quantization_config"] = BitsAndBytesConfig(
+        kwargs["quantization_config"] = transformers_api.bitsandbytes_config(
             load_in_8bit=options.load_in_8bit,
             load_in_4bit=options.load_in_4bit,
             bnb_4bit_quant_type=options.bnb_4bit_quant_type,
