@@ -48,8 +48,11 @@ from smc import smc, token_mask
 
 
 def prompt_of(lm: Any, length: int) -> list[int]:
-    text = "The history of the city begins with a small settlement on the river. " * 40
+    """The first ``length`` tokens of a repeated sentence (the same prefix for every length)."""
+    text = "The history of the city begins with a small settlement on the river. " * (40 + length // 8)
     ids = list(lm.tokenizer.encode(text))
+    if len(ids) < length:
+        raise ValueError(f"length={length}: the prompt text has only {len(ids)} tokens")
     return ids[:length]
 
 

@@ -18,6 +18,20 @@ and the rest go on; the exit status is 1 when any part failed. Parts, in the ord
 - ``overhead``: ``benchmarks/bench_overhead.py`` with rows on the device (genlm's own host cost per
   step, with a zero-cost engine, against a log_softmax floor).
 
+The ``vllm`` parts run apart (``--only vllm``: they need vLLM, which the machine lacks, carried by
+``scripts/vllm_payload.py``; see docs/gpu.md), within the same 8-minute budget:
+
+- ``vllm:rows``: one float32 random-weight folder of SmolLM2-135M's shape written here; genlm-vllm's rows
+  against genlm-hf's on the same weights (within 1e-4 on every token genlm-hf gives p >= 1e-4) and
+  against vLLM's own ``logprobs=20``, batched against single; then the shared randomised live check
+  (``genlm_core.testing.live.check_live_sequences``: live sessions, forks, resampling, cancellation)
+  on the same engine, every row against the uncached one.
+- ``vllm:smc:1b``, ``vllm:smc:8b``: ``bench_smc.py``'s vLLM rows on Llama-3.2-1B's and Llama-3.1-8B's
+  shapes (``load_format="dummy"``, bfloat16): SMC against vLLM's own ``generate(n=N)`` of the same tokens,
+  interleaved, N = 32 and 256, prompts of 24 and 2,000 tokens, lipogram and no mask, with the counters
+  (rows, tokens computed, cached, copied per step; model busy share, and genlm's own share of a step:
+  the rest).
+
 The models use the GPT-2 tokenizer (built offline; ``scripts/gpu_check.sh --prepare`` carries it in
 ``.gpucheck/``); a model's vocabulary is padded to its shape's (128,256 for the Llama-3 shapes), so the
 model's work is the real shape's while rows have 50,257 entries. Tables go to stdout, and with the logs
@@ -53,6 +67,8 @@ ROOT = HERE.parent
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=0, tie_word_embeddings=False),
+    "vtiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=0, tie_word_embeddings=False),  # head size 64: vLLM's CPU attention
     "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                  num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -60,7 +76,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
 }  # fmt: skip
-SHAPE_NAMES = {"tiny": "tiny Llama", "135m": "SmolLM2-135M", "1b": "Llama-3.2-1B", "8b": "Llama-3.1-8B"}
+SHAPE_NAMES = {
+    "tiny": "tiny Llama",
+    "vtiny": "tiny Llama",
+    "135m": "SmolLM2-135M",
+    "1b": "Llama-3.2-1B",
+    "8b": "Llama-3.1-8B",
+}
 
 #: Part -> (time guard in seconds on the GPU machine, on a dry run).
 PARTS: dict[str, tuple[float, float]] = {
@@ -72,6 +94,13 @@ PARTS: dict[str, tuple[float, float]] = {
     "overhead": (150, 90),
 }
 DRY_PARTS = ("rows", "trie", "smc:tiny", "overhead")
+#: The vLLM parts (``--only vllm``), with their guards, on the GPU machine and on a dry run.
+VLLM_PARTS: dict[str, tuple[float, float]] = {
+    "vllm:rows": (150, 240),
+    "vllm:smc:1b": (170, 240),
+    "vllm:smc:8b": (160, 1),
+}
+VLLM_DRY_PARTS = ("vllm:rows", "vllm:smc:vtiny")
 #: What each part is, in the order of the issue's list (for the summary).
 SECTIONS = {
     "rows": "1. genlm-hf rows on the device vs a CPU float64 reference",
@@ -79,6 +108,8 @@ SECTIONS = {
     "overhead": "3. bench_overhead.py with rows on the device",
     "smc": "4. bench_smc.py's hf rows vs HF's own batched decode",
     "flush": "5. flush policies (idle, eager) on the plain particle program",
+    "vllm": "6. genlm-vllm rows vs genlm-hf and vLLM's own logprobs; live sessions",
+    "vllm-smc": "7. bench_smc.py's vLLM rows vs vLLM's own generate(n=N)",
 }
 #: bench_overhead.py's grid on the GPU machine and on a dry run.
 OVERHEAD_ARGS = ["--n", "32,256,1024", "--context", "24,8000", "--vocab", "50257,128256", "--steps", "12"]
@@ -91,18 +122,36 @@ OVERHEAD_DRY_ARGS = ["--n", "8", "--context", "24,200", "--vocab", "50257", "--s
 class Part:
     """What one part found: tables, failures (a part with none passed) and numbers for the JSON."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, result: str | None = None):
         self.name = name
         self.tables: list[dict[str, Any]] = []
         self.failures: list[str] = []
         self.notes: list[str] = []
         self.numbers: dict[str, Any] = {}
+        self.result = result  # where what was found so far goes (a part cut off for time keeps it)
+        self.t0 = time.perf_counter()
 
     def table(self, section: str, title: str, header: list[str], rows: list[list[str]]) -> None:
         from genlm_core.cli import table
 
         self.tables.append({"section": section, "title": title, "header": header, "rows": rows})
         print(f"\n== {SECTIONS[section]}: {title}\n{table(header, rows)}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        """Write what this part found so far to its result file."""
+        if self.result is None:
+            return
+        found = {
+            "part": self.name,
+            "ok": not self.failures,
+            "failures": self.failures,
+            "notes": self.notes,
+            "tables": self.tables,
+            "numbers": self.numbers,
+            "seconds": time.perf_counter() - self.t0,
+        }
+        Path(self.result).write_text(json.dumps(found, indent=1, default=str))
 
     def fail(self, message: str) -> None:
         self.failures.append(message)
@@ -433,13 +482,188 @@ def part_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
         flm.cleanup()
 
 
+# ---- 6, 7. genlm-vllm ----------------------------------------------------------------------------
+
+
+def model_folder(shape: str, where: Path, dtype: Any, weights: bool, std: float | None = None) -> Path:
+    """A Llama folder of ``shape`` with the GPT-2 tokenizer: random weights (``weights``), or only its
+    config (for vLLM's ``load_format="dummy"``: the model's work without writing gigabytes)."""
+    from transformers import LlamaConfig
+
+    tok = gpt2_tokenizer()
+    folder = where / f"{shape}-{str(dtype).removeprefix('torch.')}{'' if weights else '-dummy'}"
+    if (folder / "config.json").exists():
+        return folder
+    if weights:
+        build_llama(shape, tok, "cpu", dtype, seed=1, std=std).save_pretrained(folder)
+    else:
+        spec = dict(SHAPES[shape])
+        spec["vocab_size"] = max(spec["vocab_size"], len(tok))
+        cfg = LlamaConfig(
+            **spec, max_position_embeddings=8192, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id
+        )
+        cfg.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def vllm_lm(folder: Path, **options: Any) -> Any:
+    """genlm-vllm's LM over ``folder`` (no entry point: the backend's class itself)."""
+    from genlm_vllm.lm import AsyncVirtualLM
+
+    return AsyncVirtualLM.from_name(str(folder), **options)
+
+
+def vllm_engine_opts(dry: bool, **more: Any) -> dict[str, Any]:
+    """vLLM arguments for the check's engines: on a dry run, the CPU's small KV space and eager mode."""
+    if dry:
+        return {"kv_cache_memory_bytes": 512 * 2**20, "enforce_eager": True, "max_num_batched_tokens": 512, **more}
+    return {"gpu_memory_utilization": 0.85, **more}
+
+
+def part_vllm_rows(part: Part, args: argparse.Namespace) -> None:
+    import torch
+
+    from genlm_core.testing.live import check_live_sequences
+    from genlm_vllm import selftest, vllm_api
+
+    dry = args.dry_run
+    torch.set_float32_matmul_precision("highest")
+    shape = "vtiny" if dry else "135m"
+    folder = model_folder(shape, Path(args.models), torch.float32, weights=True, std=0.05)
+    from genlm_hf.lm import AsyncTransformer
+
+    hf = AsyncTransformer.from_name(str(folder), dtype="float32", device=args.device, batch_size=16)
+    contexts = selftest.contexts_for(hf.vocab_size, n=8)
+    want = [hf.next_token_logprobs_sync(c).to("cpu") for c in contexts]
+    hf.cleanup()
+    del hf
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free when it starts
+    t0 = time.perf_counter()
+    lm = vllm_lm(folder, dtype="float32", max_model_len=2048, engine_opts=vllm_engine_opts(dry))
+    started = time.perf_counter() - t0
+    facts = vllm_api.engine_facts(vllm_api.engine_config(lm.driver.engine))
+    part.note(f"engine up in {started:.0f} s: {facts.describe()}")
+    part.numbers["engine"] = {"start_s": started, "facts": facts.describe(), "env": vllm_api.runner_env(facts.runner)}
+    table = []
+    try:
+        report = selftest.check(lm, contexts)
+        for problem in report.problems:
+            part.fail(problem)
+        lm.clear_cache()
+        rows = [r.to("cpu") for r in asyncio.run(lm.batch_next_token_logprobs(contexts))]
+        kept = max(float((a - b).abs()[b.exp() >= selftest.KEPT].max()) for a, b in zip(rows, want, strict=True))
+        every = max(float((a - b).abs().max()) for a, b in zip(rows, want, strict=True))
+        name = f"{SHAPE_NAMES[shape]} float32"
+        table += [
+            [name, "rows vs genlm-hf (p >= 1e-4)", f"{kept:.2g}", f"{args.vllm_tol:g}", f"all tokens {every:.2g}"],
+            [name, "rows vs vLLM's logprobs=20", f"{report.max_diff_vs_engine:.2g}", f"{selftest.TOLERANCE:g}", ""],
+            [name, "batched vs single", f"{report.max_diff_batch_vs_single:.2g}", f"{selftest.TOLERANCE:g}", ""],
+        ]
+        part.numbers["rows"] = {
+            "vs_hf_kept": kept,
+            "vs_hf_all": every,
+            "vs_vllm_logprobs": report.max_diff_vs_engine,
+            "batch_vs_single": report.max_diff_batch_vs_single,
+        }
+        if not kept <= args.vllm_tol:
+            part.fail(f"rows differ from genlm-hf's by {kept:.3g} > {args.vllm_tol:g} where genlm-hf gives p >= 1e-4")
+        lm.clear_cache()
+        llm_engine = lm.driver.engine.llm_engine
+        t0 = time.perf_counter()
+        try:
+            stats = check_live_sequences(
+                lm, lm.driver.sessions.live, in_use=lambda: int(llm_engine.has_unfinished_requests()), steps=30
+            )
+            detail = (
+                f"{stats.rows} rows: {stats.continued} continued, {stats.forked} forked, {stats.fresh} fresh; "
+                f"{stats.tokens_computed} computed, {stats.tokens_copied} copied, {stats.tokens_cached} cached"
+            )
+            table.append([name, "live sessions vs uncached (shared check)", "ok", "1e-4", detail])
+            part.numbers["live"] = stats.as_dict()
+        except AssertionError as exc:
+            table.append([name, "live sessions vs uncached (shared check)", "FAIL", "1e-4", str(exc)[:200]])
+            part.fail(f"the shared live check: {exc}")
+        part.numbers["live_s"] = time.perf_counter() - t0
+    finally:
+        part.table("vllm", facts.describe(), ["model", "check", "max abs diff", "tolerance", "detail"], table)
+        lm.cleanup()
+
+
+def part_vllm_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench_smc
+    from smc import token_mask  # examples/smc.py, on the path that bench_smc set
+
+    from genlm_vllm import vllm_api
+
+    dry = args.dry_run
+    ns = [4, 8] if dry else [32, 256]
+    prompts = [24, 100] if dry else [24, 2000]
+    steps = 3 if dry else args.vllm_steps
+    folder = model_folder(shape, Path(args.models), torch.bfloat16, weights=False)
+    t0 = time.perf_counter()
+    opts = vllm_engine_opts(dry, load_format="dummy", seed=0, max_num_seqs=max(ns))
+    lm = vllm_lm(folder, dtype="bfloat16", max_model_len=4096, batch_size=max(ns), timeout=0, engine_opts=opts)
+    started = time.perf_counter() - t0
+    facts = vllm_api.engine_facts(vllm_api.engine_config(lm.driver.engine))
+    part.note(f"{SHAPE_NAMES[shape]} (dummy bf16 weights): engine up in {started:.0f} s: {facts.describe()}")
+    part.numbers["engine"] = {"start_s": started, "facts": facts.describe()}
+    engine = bench_smc.Engine(lm, "vllm")
+    lipogram = token_mask(lm, b"e", None, set())
+    everything = torch.ones(len(lm.byte_vocab), dtype=torch.bool)
+    table: list[list[str]] = []
+    header = ["model", "N", "prompt", "T", "constraint", "vLLM generate", "SMC (ours)", "ours/step", "ours/vLLM"]
+    header += ["spread", "rows/step", "computed/step", "cached/step", "copied/step", "model busy", "genlm's share"]
+    title = f"{facts.describe()}; {args.rounds} interleaved round(s) after a warm-up, on {args.device}"
+    try:
+        for n in ns:
+            lm.batcher.batch_size = n  # one engine batch per SMC step, flushed as soon as every particle asked
+            for length in prompts:
+                prompt = bench_smc.prompt_of(lm, length)
+                for mask_name, mask in (("lipogram", lipogram), ("none", everything)):
+                    t_e, t_o, ratios, work = bench_smc.run_case(
+                        engine, "vllm", prompt, n, steps, mask, args.rounds, 0.5
+                    )
+                    table.append(
+                        [
+                            f"{SHAPE_NAMES[shape]} bf16",
+                            str(n),
+                            str(len(prompt)),
+                            str(steps),
+                            mask_name,
+                            f"{t_e:.3f} s",
+                            f"{t_o:.3f} s",
+                            f"{t_o / steps * 1e3:.1f} ms",
+                            f"{statistics.median(ratios):.2f}x",
+                            f"{min(ratios):.2f}-{max(ratios):.2f}",
+                            f"{work['rows']:.1f}",
+                            f"{work['computed']:.1f}",
+                            f"{work['cached']:.0f}",
+                            f"{work['copied']:.0f}",
+                            f"{work['busy']:.0%}",
+                            f"{1 - work['busy']:.0%}",
+                        ]
+                    )
+                    key = f"N{n} p{len(prompt)} {mask_name}"
+                    part.numbers[key] = {"vllm_s": t_e, "ours_s": t_o, "ratios": ratios, "steps": steps, **work}
+                    part.save()
+    finally:
+        if table:
+            part.table("vllm-smc", title, header, table)
+        lm.cleanup()
+
+
 # ---- the parts' process ---------------------------------------------------------------------------
 
 
 def run_part(args: argparse.Namespace) -> int:
-    """Run one part in this process; write what it found to ``--result``."""
-    part = Part(args.part)
-    t0 = time.perf_counter()
+    """Run one part in this process; write what it found to ``--result`` (as it goes, and at the end)."""
+    part = Part(args.part, args.result)
     try:
         if args.part == "rows":
             part_rows(part, args)
@@ -447,6 +671,10 @@ def run_part(args: argparse.Namespace) -> int:
             part_trie(part, args)
         elif args.part.startswith("smc:"):
             part_smc(part, args, args.part.split(":", 1)[1])
+        elif args.part == "vllm:rows":
+            part_vllm_rows(part, args)
+        elif args.part.startswith("vllm:smc:"):
+            part_vllm_smc(part, args, args.part.split(":", 2)[2])
         else:
             raise ValueError(f"unknown part {args.part!r}")
     except Exception as exc:
@@ -454,16 +682,7 @@ def run_part(args: argparse.Namespace) -> int:
 
         traceback.print_exc()
         part.fail(f"{type(exc).__name__}: {exc}")
-    result = {
-        "part": part.name,
-        "ok": not part.failures,
-        "failures": part.failures,
-        "notes": part.notes,
-        "tables": part.tables,
-        "numbers": part.numbers,
-        "seconds": time.perf_counter() - t0,
-    }
-    Path(args.result).write_text(json.dumps(result, indent=1, default=str))
+    part.save()
     return 0 if not part.failures else 1
 
 
@@ -549,6 +768,27 @@ def markdown(info: dict[str, Any], results: list[dict[str, Any]], args: argparse
     return "\n".join(out)
 
 
+def vllm_environment(env: dict[str, str], dry: bool) -> str | None:
+    """Put genlm-vllm (and on the GPU machine, the carried vLLM) on ``env``'s path; None, or why the
+    vllm parts cannot run."""
+    paths = [str(ROOT / "plugins" / "genlm_vllm")]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import vllm_payload
+
+    site = vllm_payload.HOME / "site"
+    if (site / "vllm" / "__init__.py").exists():
+        paths.append(str(site))
+    elif not dry:
+        return (
+            f"no vLLM in {site}: build the payload where a registry is reachable (bash scripts/gpu_check.sh "
+            "--prepare vllm), carry each part and run 'bash scripts/gpu_check.sh --stash' with it (docs/gpu.md)"
+        )
+    env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
+    if dry:
+        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # no Triton CPU backend for V2 here
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="on the CPU with tiny shapes (the test)")
@@ -559,6 +799,10 @@ def main() -> int:
     ap.add_argument("--rows-tol", type=float, default=1e-3, help="float32 rows vs float64: most |Δ| (default 1e-3)")
     ap.add_argument("--n", type=int, default=32, help="particles for the SMC parts")
     ap.add_argument("--steps", type=int, default=32, help="SMC steps for the SMC parts")
+    ap.add_argument("--vllm-tol", type=float, default=1e-4, help="vllm:rows vs genlm-hf where p >= 1e-4 (1e-4)")
+    ap.add_argument("--vllm-steps", type=int, default=24, help="SMC steps for the vllm:smc parts (default 24)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds after a warm-up, vllm:smc parts")
+    ap.add_argument("--models", default=None, help="where model folders are written (default: OUT/models)")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -577,14 +821,23 @@ def main() -> int:
     parts = list(DRY_PARTS if args.dry_run else PARTS)
     if args.only:
         wanted = args.only.split(",")
+        parts += list(VLLM_DRY_PARTS if args.dry_run else VLLM_PARTS)  # only when asked for
         parts = [p for p in parts if p in wanted or p.split(":")[0] in wanted]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if any(p.startswith("vllm") for p in parts):
+        problem = vllm_environment(env, args.dry_run)
+        if problem is not None:
+            print(problem, flush=True)
+            return 2
+    models = args.models or str(out / "models")
     passthrough = ["--device", args.device, "--rows-tol", repr(args.rows_tol), "--n", str(args.n)]
-    passthrough += ["--steps", str(args.steps)] + (["--dry-run"] if args.dry_run else [])
+    passthrough += ["--steps", str(args.steps), "--vllm-steps", str(args.vllm_steps), "--rounds", str(args.rounds)]
+    passthrough += ["--vllm-tol", repr(args.vllm_tol)]
+    passthrough += ["--models", models] + (["--dry-run"] if args.dry_run else [])
     deadline = time.monotonic() + args.budget
     results: list[dict[str, Any]] = []
     for part in parts:
-        guard = PARTS.get(part, (60, 60))[1 if args.dry_run else 0]
+        guard = {**PARTS, **VLLM_PARTS, "vllm:smc:vtiny": (240, 240)}.get(part, (60, 60))[1 if args.dry_run else 0]
         left = deadline - time.monotonic()
         print(f"\n#### {part} (guard {guard:.0f} s, {max(left, 0):.0f} s of the budget left)", flush=True)
         if left < 10:

@@ -6,6 +6,15 @@
 #   bash scripts/gpu_check.sh             # on the GPU machine (no network): every part, on CUDA
 #   bash scripts/gpu_check.sh --dry-run   # on a CPU: the same parts with tiny shapes (tests/test_gpu_check.py)
 #
+# genlm-vllm's parts (--only vllm) need vLLM, which the GPU machine lacks; it is carried in parts
+# (scripts/vllm_payload.py, docs/gpu.md):
+#   bash scripts/gpu_check.sh --prepare vllm   # here: the above, and vLLM 0.26.0 trimmed and packed into
+#                                              # .vllm-payload/parts/ (git-ignored): parts of <= 58 MiB
+#   bash scripts/gpu_check.sh --stash          # there, once per run that carries a part (with SHA256SUMS):
+#                                              # kept in ~/genlm-vllm-payload, unpacked once all are there
+#   bash scripts/gpu_check.sh --only vllm      # there: the vllm parts (rows, live sessions, SMC timings)
+#   bash scripts/gpu_check.sh --dry-run --only vllm   # on a CPU with vLLM's CPU build: the same, tiny
+#
 # Other arguments go to benchmarks/gpu_check.py (--only rows,trie  --out DIR  --budget S ...). The
 # summary goes to $OUT (else .gpucheck/out): gpu_check.md, gpu_check.json, logs/. Exit status 1 when a
 # part failed. The interpreter: $PYTHON, else .venv/bin/python, else python3. What it needs beyond the
@@ -61,9 +70,31 @@ prepare() {
     if (( total >= LIMIT_MIB * 1048576 )); then echo "over the limit" >&2; exit 1; fi
 }
 
+prepare_vllm() {
+    "$PY" scripts/vllm_payload.py build
+    tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+    small=$(( $(bytes_of .vllm-payload/parts/SHA256SUMS) + $(bytes_of .vllm-payload/parts/manifest.json) ))
+    largest=$(find .vllm-payload/parts -name 'payload.tar.xz.*' -printf '%s\n' | sort -n | tail -1)
+    total=$((tree + small + largest))
+    echo "each run carries: working tree $(mib "$tree") + one part (at most $(mib "$largest")) + SHA256SUMS and" \
+        "manifest.json = $(mib "$total") (limit $LIMIT_MIB MiB)"
+    if (( total >= LIMIT_MIB * 1048576 )); then echo "over the limit: build with smaller parts (--part-mib)" >&2; exit 1; fi
+    echo "carry, one run each: .vllm-payload/parts/payload.tar.xz.NN with .vllm-payload/parts/SHA256SUMS and"
+    echo ".vllm-payload/parts/manifest.json, running 'bash scripts/gpu_check.sh --stash'; then, with .whl and"
+    echo ".gpucheck: 'bash scripts/gpu_check.sh --only vllm' (docs/gpu.md)"
+}
+
 if [[ "${1:-}" == "--prepare" ]]; then
     prepare
+    if [[ "${2:-}" == "vllm" ]]; then prepare_vllm; fi
     exit 0
+fi
+if [[ "${1:-}" == "--stash" ]]; then  # the standard library only: no pydantic needed yet
+    exec "$PY" scripts/vllm_payload.py stash "${2:-.vllm-payload/parts}"
+fi
+# vLLM carried and unpacked (--stash): its folder has pydantic and the rest of what genlm-core needs too.
+if [[ "${1:-}" != "--dry-run" ]] && payload=$("$PY" scripts/vllm_payload.py site 2>/dev/null); then
+    export PYTHONPATH="$PYTHONPATH:$payload"
 fi
 
 # The tree's commit as --prepare recorded it (a copied tree may carry another checkout's .git).

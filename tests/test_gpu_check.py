@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("genlm_gpu_check", ROOT / "benchmarks" / "gpu_check.py")
 assert spec is not None and spec.loader is not None
 gpu_check = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = gpu_check
 spec.loader.exec_module(gpu_check)
 
 
@@ -43,8 +44,8 @@ def test_the_dry_run_passes_with_every_part_and_section(tmp_path):
     assert all(v["max_abs_diff"] <= 1e-12 for v in parts["trie"]["numbers"].values())
     assert {"flush idle", "flush eager"} <= set(parts["smc:tiny"]["numbers"])
     assert parts["overhead"]["json"]["cells"]  # bench_overhead.py ran and wrote its --json
-    for section in gpu_check.SECTIONS.values():
-        assert f"== {section}" in done.stdout or section.startswith("3.")
+    for key, section in gpu_check.SECTIONS.items():
+        assert f"== {section}" in done.stdout or section.startswith("3.") or key.startswith("vllm")
         assert f"## {section}" in (tmp_path / "gpu_check.md").read_text()
     assert "all parts passed" in done.stdout
 
@@ -68,3 +69,50 @@ def test_the_shapes_are_the_real_models(shape, params):
 
     model = gpu_check.build_llama(shape, toy_tokenizer(), "meta", torch.bfloat16)  # no memory, no weights
     assert abs(sum(p.numel() for p in model.parameters()) - params) / params < 0.002
+
+
+def test_the_vllm_parts_say_what_to_carry_when_vllm_is_not_there(tmp_path, monkeypatch):
+    """On the GPU machine the vllm parts need the carried vLLM (scripts/vllm_payload.py): without it
+    they say how to get it; with it, its folder goes on the parts' path after genlm-vllm's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import vllm_payload
+
+    monkeypatch.setattr(vllm_payload, "HOME", tmp_path)
+    env: dict[str, str] = {"PYTHONPATH": "/elsewhere"}
+    problem = gpu_check.vllm_environment(env, dry=False)
+    assert problem is not None and "--prepare vllm" in problem and "--stash" in problem
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+    assert gpu_check.vllm_environment(env, dry=False) is None
+    plugin = str(ROOT / "plugins" / "genlm_vllm")
+    assert env["PYTHONPATH"].split(os.pathsep) == [plugin, str(tmp_path / "site"), "/elsewhere"]
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is not installed")
+def test_the_vllm_dry_run_passes_on_the_cpu_build(tmp_path):
+    """``--only vllm`` on the CPU: genlm-vllm's rows against genlm-hf and vLLM's logprobs, the shared live
+    check, and bench_smc.py's vLLM rows on a dummy-weight model, through the same script and processes."""
+    done = dry_run(tmp_path, "--only", "vllm")
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    parts = {p["part"]: p for p in json.loads((tmp_path / "gpu_check.json").read_text())["parts"]}
+    assert list(parts) == list(gpu_check.VLLM_DRY_PARTS)
+    assert all(p["ok"] for p in parts.values())
+    rows = parts["vllm:rows"]["numbers"]
+    assert rows["rows"]["vs_hf_kept"] <= 1e-4 and rows["rows"]["vs_vllm_logprobs"] <= 1e-3
+    assert rows["live"]["forked"] > 0 and rows["live"]["tokens_copied"] > 0
+    smc = parts["vllm:smc:vtiny"]["numbers"]
+    assert {f"N{n} p{p} {m}" for n in (4, 8) for p in (24, 100) for m in ("lipogram", "none")} <= set(smc)
+    assert all(v["rows"] > 0 and 0 < v["busy"] <= 1 for k, v in smc.items() if k.startswith("N"))
+    assert {t["section"] for p in parts.values() for t in p["tables"]} == {"vllm", "vllm-smc"}
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is not installed")
+def test_a_broken_vllm_tolerance_fails_the_check(tmp_path):
+    done = dry_run(tmp_path, "--only", "vllm:rows", "--vllm-tol", "1e-12")
+    assert done.returncode == 1, done.stdout[-4000:]
+    assert "FAIL [vllm:rows] rows differ from genlm-hf's by" in done.stdout
+    assert "FAILED: vllm:rows" in done.stdout

@@ -10,7 +10,8 @@ that does not go through our capture). Exit status 0 when every check passes.
 
     python -m genlm_vllm.selftest MODEL --suite [--runners v1,v2]
 
-runs the whole suite on a float32 HF folder (on a GPU: both model runners), one engine at a time:
+runs the whole suite on a float32 HF folder (on a GPU: both model runners where the release's V2 takes
+logits processors; vLLM 0.26's does not), one engine at a time:
 the checks above; rows against genlm-hf on the same weights (within 1e-4 on every token genlm-hf gives
 p >= 1e-4; the whole vocabulary's largest difference is reported beside it) with ``engine="llm"`` and
 with ``engine="async"`` (vLLM's async scheduling as configured); an SMC with resampling whose rows
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="model name or path, as for vLLM")
     parser.add_argument("--options", default="{}", help="VLLMOptions as JSON (engine_opts, replicas, ray_address, ...)")
     parser.add_argument("--suite", action="store_true", help="the whole suite (a float32 HF folder; needs genlm-hf)")
-    parser.add_argument("--runners", default=None, help="model runners for --suite (default: v1,v2 on CUDA, else v1)")
+    parser.add_argument("--runners", default=None, help="model runners for --suite (default: default_runners())")
     parser.add_argument("--no-async", action="store_true", help="--suite without the AsyncLLM engines")
     parser.add_argument("--particles", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32)
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     from genlm_core import load_model_by_name
 
     if args.suite:
-        runners = (args.runners or ("v1,v2" if torch.cuda.is_available() else "v1")).split(",")
+        runners = (args.runners or ",".join(default_runners())).split(",")
         lines = suite(args.model, runners, json.loads(args.options), args.particles, args.steps, not args.no_async)
         from genlm_core.cli import table
 
@@ -254,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         lm.cleanup()
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
+
+
+def default_runners() -> list[str]:
+    """The model runners the suite checks by default: both on CUDA where Model Runner V2 takes logits
+    processors (vLLM 0.32 on), else V1 alone (vLLM's CPU build; vLLM 0.26 on CUDA)."""
+    from genlm_vllm.vllm_api import has_v2_processors
+
+    return ["v1", "v2"] if torch.cuda.is_available() and has_v2_processors() else ["v1"]
 
 
 def _version() -> str:
