@@ -127,7 +127,7 @@ class Context(Sequence[int]):
         parent = self._parent() if self._parent is not None else None
         if parent is not None and parent._n == length:
             return parent
-        if self._chunks is None and self._flat is not None and length <= CHUNK:
+        if self._chunks is None and self._flat is not None:  # a flat one (from a tuple): a slice, as a tuple's
             return Context.trusted(self._flat[:length], self._bound)
         chunks, tail = self._chunked()
         full = length // CHUNK
