@@ -138,6 +138,7 @@ def test_a_model_takes_its_own_handles_without_reading_them_and_checks_others_wh
     unchecked = Request((1, 2, lm.vocab_size)).context  # a context nobody checked is checked whole
     with pytest.raises(ValueError, match="outside the vocabulary"):
         lm.request(unchecked)
+
     class Forged(Context):  # a subclass may lie about its ids: it is read and checked whole
         def __iter__(self):
             return iter([1, lm.vocab_size + 3])
