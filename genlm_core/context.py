@@ -270,7 +270,8 @@ class Context(Sequence[int]):
             assert flat is not None
             full = len(flat) - len(flat) % CHUNK
             chunks = tuple(flat[i : i + CHUNK] for i in range(0, full, CHUNK))
-            self._chunks, self._tail = chunks, flat[full:]
+            self._tail = flat[full:]  # before _chunks: another thread reads _tail once it sees _chunks
+            self._chunks = chunks
         assert self._chunks is not None and self._tail is not None
         return self._chunks, self._tail
 
