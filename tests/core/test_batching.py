@@ -285,3 +285,65 @@ async def test_memory_stays_bounded_over_a_million_requests():
     assert b.stats.submitted == b.stats.items == 1_000_000 and b.stats.batches == 1000
     assert len(b.stats.sizes) <= RECENT_BATCHES and not b._pending and not b._running
     assert abs(live[99] - live[9]) < 100, live
+
+
+async def test_submit_many_mixed_with_submits_answers_each_key_once_in_order():
+    """Random steps of ``submit_many`` (with repeated keys) beside single submits, flushed at random
+    batch sizes: every caller gets f(key) for each of its keys, in order, and each distinct key in
+    flight is computed once."""
+    import random
+
+    rng = random.Random(4)
+    computed: list[int] = []
+
+    def square(items):
+        computed.extend(items)
+        return [Failed(ValueError(f"bad {x}")) if x % 97 == 13 else x * x for x in items]
+
+    for batch_size in (1, 3, 8, 64):
+        batcher = AutoBatcher(square, batch_size=batch_size, timeout=0.0)
+        computed.clear()
+        groups = [[rng.randrange(200) for _ in range(rng.randrange(0, 12))] for _ in range(20)]
+        singles = [rng.randrange(200) for _ in range(20)]
+        results = await asyncio.gather(
+            *(batcher.submit_many(g, g) for g in groups),
+            *(batcher.submit(k, k) for k in singles),
+            return_exceptions=True,
+        )
+        for keys, got in zip(groups, results[: len(groups)]):
+            bad = [k for k in keys if k % 97 == 13]
+            if bad:
+                assert isinstance(got, ValueError) and str(got) in {f"bad {k}" for k in bad}
+            else:
+                assert got == [k * k for k in keys]
+        for k, got in zip(singles, results[len(groups) :]):
+            if k % 97 == 13:
+                assert isinstance(got, ValueError)
+            else:
+                assert got == k * k
+        assert len(computed) == len(set(computed))  # everything was in flight at once: each key once
+        assert set(computed) == {k for g in groups for k in g} | set(singles)
+        batcher.close()
+
+
+async def test_a_cancelled_submit_many_leaves_shared_keys_to_their_other_waiters():
+    release = threading.Event()
+    batcher = AutoBatcher(
+        lambda items: (release.wait(5), [x + 1 for x in items])[1], batch_size=1, timeout=0.0, run_in_thread=True
+    )
+    first = asyncio.ensure_future(batcher.submit(0, 0))  # occupies the model
+    await asyncio.sleep(0.05)
+    group = asyncio.ensure_future(batcher.submit_many([1, 2, 3], [1, 2, 3]))
+    other = asyncio.ensure_future(batcher.submit(2, 2))
+    await asyncio.sleep(0.01)
+    group.cancel()
+    await asyncio.sleep(0.01)
+    assert batcher.queued() == [2]  # 1 and 3 had no other waiter
+    release.set()
+    assert await first == 1 and await other == 3
+    with pytest.raises(asyncio.CancelledError):
+        await group
+    assert await batcher.submit_many([], []) == []
+    with pytest.raises(ValueError, match="2 keys for 1 items"):
+        await batcher.submit_many([1, 2], [1])
+    batcher.close()
