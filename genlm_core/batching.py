@@ -22,21 +22,15 @@ import numpy as np
 import torch
 
 from genlm_core.errors import BatcherError, ClosedError
+from genlm_core.rows import Failed
 from genlm_core.validation import check_batcher_numbers
+
+__all__ = ["FLUSH_POLICIES", "AutoBatcher", "BatcherStats", "ContentKey", "Failed", "FlushPolicy", "flush_delay"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class Failed:
-    """A per-item failure a batch function may return in place of a result."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 ProcessFn = Callable[[list[T]], Sequence[Any] | Awaitable[Sequence[Any]]]

@@ -45,10 +45,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from genlm_core.batching import Failed
 from genlm_core.lineage import Continuation, LiveContexts, nearest_prefix
 from genlm_core.request import Request
-from genlm_core.rows import RowsOut
+from genlm_core.rows import Failed, RowsOut
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +141,7 @@ class Ran(Generic[R]):
 
     def rows(self) -> RowsOut:
         """``value`` (an array or tensor of rows) as :meth:`~genlm_core.lm.AsyncLM.forward_batch`
-        returns it: the block, or one row per request with a :class:`~genlm_core.batching.Failed`
+        returns it: the block, or one row per request with a :class:`~genlm_core.rows.Failed`
         for each failed one."""
         value = self.value
         block = torch.from_numpy(value) if isinstance(value, np.ndarray) else value

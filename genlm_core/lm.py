@@ -19,14 +19,14 @@ from typing import Any, ClassVar, Self
 import numpy as np
 import torch
 
-from genlm_core.batching import AutoBatcher, Failed
+from genlm_core.batching import AutoBatcher
 from genlm_core.cache import OutputCache
 from genlm_core.closing import CLOSED, Closed
 from genlm_core.config import BackendOptions
 from genlm_core.context import Context
 from genlm_core.errors import ClosedError
 from genlm_core.request import ContextChecker, Request
-from genlm_core.rows import RowMemory, RowsOut, nan_rows, normalise, rows_block
+from genlm_core.rows import Failed, RowMemory, RowsOut, nan_rows, normalise, rows_block
 from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
 from genlm_core.validation import (
     check_int,
@@ -142,7 +142,7 @@ class AsyncLM(abc.ABC):
     def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
         """Next-token logits for each request: ``[len(requests), W]`` with ``W >= vocab_size``, or
         a sequence of ``len(requests)`` rows ``[W]`` in which a row that could not be computed is a
-        :class:`~genlm_core.batching.Failed` (its request alone fails; the others are answered).
+        :class:`~genlm_core.rows.Failed` (its request alone fails; the others are answered).
 
         Any float dtype and device. Called with validated, distinct requests, under a lock.
         """
@@ -359,7 +359,7 @@ class AsyncLM(abc.ABC):
         already holds float32 logprobs over the first ``vocab_size`` columns (an engine that
         normalised where it computed them); they are used as they are, unless this vocabulary has
         ids the tokenizer does not cover (then they are normalised again, without those ids); None:
-        :attr:`rows_normalised`. A :class:`~genlm_core.batching.Failed` in ``out`` fails its request
+        :attr:`rows_normalised`. A :class:`~genlm_core.rows.Failed` in ``out`` fails its request
         alone."""
         if normalised is None:
             normalised = self.rows_normalised

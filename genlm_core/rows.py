@@ -16,13 +16,22 @@ from collections.abc import Sequence
 
 import torch
 
-from genlm_core.batching import Failed
+
+class Failed:
+    """A per-item failure a batch function may return in place of a result: a row that could not be
+    computed (its request alone fails), or any batched item's."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 #: What :meth:`~genlm_core.lm.AsyncLM.forward_batch` returns: one block of rows, or one row (or a
-#: :class:`~genlm_core.batching.Failed`) per request.
+#: :class:`Failed`) per request.
 RowsOut = torch.Tensor | Sequence[torch.Tensor | Failed]
 
 

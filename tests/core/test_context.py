@@ -232,7 +232,7 @@ def test_a_cancelled_step_drops_its_requests_and_a_failing_one_fails_only_its_ca
         assert lm.batcher.stats.items == items + 2
         assert torch.equal(await lm.next_token_logprobs([9, 2]), lm.next_token_logprobs_uncached([9, 2]))
 
-    from genlm_core.batching import Failed
+    from genlm_core.rows import Failed
 
     asyncio.run(main())
 
