@@ -57,6 +57,24 @@ def test_wrap_has_the_seed_interface(ours, seed_lm):
     ours.reset_async_queries()
 
 
+def test_a_batch_is_the_callers_own_tensor_as_genlm_backends_is(ours):
+    """genlm's step call returns the rows' block (shared with its output cache); through the wrapper a
+    program may write into the batch, as genlm-backend allowed, without changing any later row."""
+    ours.clear_cache()
+    contexts = [[5, 6, i] for i in range(4)]
+    want = [ours.next_token_logprobs_uncached(c) for c in contexts]
+
+    async def main():
+        first = await ours.batch_next_token_logprobs(contexts)
+        assert first._base is None
+        first.fill_(0.0)  # a program masking in place
+        return await ours.batch_next_token_logprobs(contexts), await ours.next_token_logprobs(contexts[1])
+
+    again, one = asyncio.run(main())
+    for got, expected in zip([*again, one], [*want, want[1]]):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
 def test_sampling_follows_the_seeds_contract(ours, seed_lm):
     """Same draws as genlm-backend: the EOS is dropped and batch_sample gives every prompt one seed."""
     ctx = seed_lm.tokenizer.encode("Once upon a")

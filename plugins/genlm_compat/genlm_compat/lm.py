@@ -98,7 +98,8 @@ class CompatLM:
     async def batch_next_token_logprobs(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
     ) -> torch.Tensor:
-        return await self.genlm_lm.batch_next_token_logprobs(token_ids_list, lora_name)
+        rows = await self.genlm_lm.batch_next_token_logprobs(token_ids_list, lora_name)
+        return rows if rows._base is None else rows.clone()  # a tensor of its own, as genlm-backend's
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Sequence[Sequence[int]], lora_name: str | None = None
