@@ -242,6 +242,10 @@ class LiveSequences(Generic[H, R]):
     def __len__(self) -> int:
         return len(self.live)
 
+    def contexts(self) -> list[Request]:
+        """The live sequences' contexts (as requests), kept longest ago first (the first to be evicted)."""
+        return self.live.contexts()
+
     def run(self, requests: Sequence[Request]) -> Ran[R]:
         """The engine's rows for ``requests`` (validated, distinct), continuing live sequences where a
         request extends one; afterwards each request's sequence is live (when the options keep any).

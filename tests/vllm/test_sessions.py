@@ -254,3 +254,49 @@ def test_the_shared_particle_check_of_core_passes_on_vllm_sessions(engine):
         engine, engine.driver.sessions.live, in_use=lambda: int(llm_engine.has_unfinished_requests()), steps=30
     )
     assert stats.tokens_computed < stats.rows * 3, stats  # continued and forked rows computed their own token
+
+
+async def test_a_chunk_vllm_ends_early_fails_only_its_request(engine, monkeypatch):
+    """vLLM ends one chunk of a batch without its token (injected: its output has no new token). That
+    request fails alone; the others' rows are exact and their sessions stay live and are continued by
+    the next step, and the failed context computes again from the start when asked again."""
+    engine.clear_cache()
+    prompt = list(range(1100, 1120))
+    particles = [[*prompt, t] for t in range(4)]
+    engine.batch_next_token_logprobs_sync(particles)  # four live sessions
+    sessions = engine.driver.sessions
+    stats = sessions.stats
+    stats.__init__()
+    core = sessions.core
+    add_chunk, step = core.add_chunk, core.step
+    victims: set[str] = set()
+
+    def tagging_add_chunk(request_id, token_ids, *args, **kwargs):
+        if list(token_ids)[-1] == 99:  # the victim's chunk: the only one whose new token is 99
+            victims.add(request_id)
+        return add_chunk(request_id, token_ids, *args, **kwargs)
+
+    def step_ending_the_victim():
+        outputs = step()
+        for out in outputs:
+            if out.request_id in victims:
+                out.new_token_ids = []
+        return outputs
+
+    monkeypatch.setattr(core, "add_chunk", tagging_add_chunk)
+    monkeypatch.setattr(core, "step", step_ending_the_victim)
+    contexts = [[*p, 7] for p in particles[:3]] + [[*particles[3], 99]]
+    results = await asyncio.gather(*(engine.next_token_logprobs(c) for c in contexts), return_exceptions=True)
+    monkeypatch.undo()
+    assert len(victims) == 1 and stats.batches == 1, (victims, stats)
+    assert isinstance(results[3], RuntimeError) and "ended request" in str(results[3]), results[3]
+    assert all(isinstance(row, torch.Tensor) for row in results[:3]), results
+    assert (stats.rows, stats.continued) == (4, 4), stats
+    assert sorted(c.token_ids for c in sessions.live.contexts()) == sorted(tuple(c) for c in contexts[:3])
+    seen = list(zip(map(tuple, contexts[:3]), results[:3], strict=True))
+    again = [[*c, 8] for c in contexts[:3]] + [contexts[3]]  # the survivors' next step, and the victim again
+    rows = engine.batch_next_token_logprobs_sync(again)
+    assert (stats.rows, stats.continued, stats.fresh) == (8, 7, 1), stats
+    assert stats.tokens_computed == 4 + 3 + len(contexts[3]), stats
+    seen += list(zip(map(tuple, again), rows, strict=True))
+    check_rows(engine, seen)

@@ -2,10 +2,11 @@
 
 A batch of requests becomes one row-sized chunk per request of the engine's resumable sessions
 (:mod:`genlm_vllm.sessions`): a request that extends a context of the previous batch continues that
-sequence in the engine, computing only its new tokens. With ``live={'enabled': False}`` a batch is one
-plain ``generate`` (prefix caching only). Either way the capture processor
-(:mod:`genlm_vllm.capture`) copies each request's logits by tag wherever the model runs, and the row
-channel (:mod:`genlm_vllm.rows`) brings them back.
+sequence in the engine, computing only its new tokens, and the session engine returns the batch's rows
+as core's live path asks (a request whose chunk failed is a failed row, its own). With
+``live={'enabled': False}`` a batch is one plain ``generate`` (prefix caching only). Either way the
+capture processor (:mod:`genlm_vllm.capture`) copies each request's logits by tag wherever the model
+runs, and the row channel (:mod:`genlm_vllm.rows`) brings them back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from genlm_core import AutoBatcher, Request
+from genlm_core import AutoBatcher, Request, RowsOut
 from genlm_vllm import vllm_api
 from genlm_vllm.driver import EngineDriver
 from genlm_vllm.launch import launch
@@ -40,9 +41,9 @@ class LLMDriver(EngineDriver):
             vllm_api.vocab_size(llm),
             pop=lambda tags, discard: vllm_api.collective_rpc(llm, "genlm_pop_rows", (tags, discard)),
         )
-        #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
-        self.sessions = Sessions(llm, options.live) if options.sessions_in(lay) else None
         self.loras = vllm_api.LoRARequests()
+        #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
+        self.sessions = Sessions(llm, self.rows, self.loras.get, options.live) if options.sessions_in(lay) else None
         self.sampler: AutoBatcher[SampleCall, list[int]] = AutoBatcher(
             self._sample_batch,
             batch_size=options.batch_size,
@@ -59,32 +60,33 @@ class LLMDriver(EngineDriver):
 
     # ---- rows ---------------------------------------------------------------------------------
 
-    def logits(self, requests: Sequence[Request]) -> torch.Tensor:
-        return self.capture(requests, live=self.sessions is not None)
+    def logits(self, requests: Sequence[Request]) -> RowsOut:
+        """As chunks of live sessions (a request whose chunk failed is a ``Failed`` row, the others'
+        sessions stay live), or by one plain ``generate``."""
+        if self.sessions is None:
+            return self.capture(requests)
+        self.batches += 1
+        try:
+            return self.sessions.run(requests).rows()
+        except BaseException:
+            self.release_sessions()  # a batch that raised leaves nothing alive that a later batch could continue
+            raise
 
     def uncached_logits(self, request: Request) -> torch.Tensor:
-        return self.capture([request], live=False, cache_salt=uuid.uuid4().hex)[0]
+        return self.capture([request], cache_salt=uuid.uuid4().hex)[0]
 
-    def capture(self, requests: Sequence[Request], live: bool, cache_salt: str | None = None) -> torch.Tensor:
-        """Logits of each request, captured in the engine: as chunks of live sessions, or by a plain
-        ``generate`` (with ``cache_salt``: sharing no cached block with other requests)."""
+    def capture(self, requests: Sequence[Request], cache_salt: str | None = None) -> torch.Tensor:
+        """Logits of each request by a plain ``generate``, captured in the engine (with
+        ``cache_salt``: sharing no cached block with other requests)."""
         assert self.rows is not None
         ticket = self.rows.prepare(len(requests))
         finished = False
         try:
-            if live:
-                assert self.sessions is not None
-                self.batches += 1
-                self.sessions.run(requests, ticket.extra_args, [self.loras.get(r.adapter) for r in requests])
-            else:
-                params = [vllm_api.row_params(a) for a in ticket.extra_args]
-                self.generate([r.token_ids for r in requests], params, [r.adapter for r in requests], cache_salt)
+            params = [vllm_api.row_params(a) for a in ticket.extra_args]
+            self.generate([r.token_ids for r in requests], params, [r.adapter for r in requests], cache_salt)
             rows = self.rows.collect(ticket)
             finished = True
             return stack(rows, requests)
-        except BaseException:
-            self.release_sessions()  # a failed batch leaves nothing alive that a later batch could continue
-            raise
         finally:
             self.rows.release(ticket, finished)
 

@@ -4,8 +4,9 @@ Each row is computed as a chunk of a vLLM *resumable session* (``resumable=True`
 one sampled token is out, the scheduler parks the session with its KV blocks, and the next chunk with
 the same request id appends its prompt tokens (the caller's new token) in place of that sampled
 token, which is discarded. Which request continues, forks or copies which session, when a parked
-session is aborted to make room and what a failed batch leaves behind is decided by core's
-:class:`~genlm_core.live.LiveSequences`; :class:`SessionEngine` only supplies vLLM's primitives:
+session is aborted to make room and what a failed batch or row leaves behind is decided by core's
+:class:`~genlm_core.live.LiveSequences`; :class:`SessionEngine` only supplies vLLM's primitives, and
+returns the rows of each batch it runs (a failed chunk is a failed row of its request only):
 
 - a sequence is a request id; releasing it aborts the request (its full blocks stay in the prefix cache);
 - a copy is a fork: the new session's chunk names its source (:data:`~genlm_vllm.wire.FORK`), and the
@@ -15,8 +16,8 @@ session is aborted to make room and what a failed batch leaves behind is decided
   preempt, so one slot and a longest context's worth of KV are kept for everything else.
 
 Every chunk carries its context's length and hash, and the capture processor writes no row for a
-chunk whose context in the engine differs: a bookkeeping error becomes a missing row, never a wrong
-one. The engine core is driven directly (``add_request`` / ``get_output`` / ``abort_requests``), so
+chunk whose context in the engine differs: a bookkeeping error becomes a failed row of its request,
+never a wrong one. The engine core is driven directly (``add_request`` / ``get_output`` / ``abort_requests``), so
 this works wherever the core runs (this process, its own process, with TP/PP or Ray workers).
 """
 
@@ -27,30 +28,36 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from genlm_core import Request
 from genlm_core.live import LiveEngine, LiveOptions, LiveSequences, LiveStats, Piece, Ran
 from genlm_vllm.options import MAX_IDLE_BATCHES
+from genlm_vllm.rows import RowChannel, as_block
 from genlm_vllm.vllm_api import EngineCore, SamplingParams, prefill_counts
 from genlm_vllm.wire import CONNECTOR, CONTEXT, FORK, context_fingerprint
 
+#: The LoRA request of an adapter name (None: the base model), as vLLM's ``add_request`` takes it.
+LoRAOf = Callable[[str | None], Any]
 
-class SessionEngine(LiveEngine[str, None]):
-    """The resumable sessions of one ``vllm.LLM`` engine core. Rows come back through the capture
-    channel (by each chunk's tag in :attr:`extra_args`), so a batch's result is None."""
+
+class SessionEngine(LiveEngine[str, torch.Tensor]):
+    """The resumable sessions of one ``vllm.LLM`` engine core. A batch's result is its rows
+    ``[pieces, width]``, brought back by the row channel (each chunk carries its tag); a chunk that
+    vLLM ended early, or whose row is missing, fails only its own piece."""
 
     copies_any_prefix = False
 
-    def __init__(self, core: EngineCore):
+    def __init__(self, core: EngineCore, rows: RowChannel, lora_of: LoRAOf):
         self.core = core
+        self.rows = rows
+        self.lora_of = lora_of
         self.token_budget = core.token_budget
         self.max_live = core.max_num_seqs - 1
         self.block_size = core.block_size
         self.kv_budget = core.kv_blocks * core.block_size - core.max_model_len
         #: whether forks copy their source's unfinished block (:mod:`genlm_vllm.forks` is plugged in)
         self.forks = core.kv_connector == CONNECTOR
-        #: the running batch's ``extra_args`` (capture tags) and LoRA requests, by request index
-        self.extra_args: Sequence[dict[str, Any]] = ()
-        self.loras: Sequence[Any] = ()
         self._sources: dict[str, str] = {}  # a new session -> the session its chunk forks
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
@@ -71,36 +78,42 @@ class SessionEngine(LiveEngine[str, None]):
     def room(self, sequences: int, tokens: int) -> bool:
         return sequences <= self.max_live and tokens + sequences * self.block_size <= self.kv_budget
 
-    def join(self, parts: Sequence[None]) -> None:
-        return None
-
-    def run(self, pieces: Sequence[Piece[str]], make_room: Callable[[], bool]) -> Ran[None]:
-        """Add one chunk per piece, then step the engine until each has its token."""
-        chunks: dict[str, int] = {}
-        computed = 0
-        for piece in pieces:
-            request = piece.request
-            args = {**self.extra_args[piece.index], CONTEXT: context_fingerprint(request.context)}
-            if piece.fresh:
-                tokens = request.token_ids  # vLLM's prefix cache and the fork serve what is held
-                source = self._sources.pop(piece.seq, None)
-                if source is not None:
-                    args[FORK] = source
-            else:
-                tokens = piece.new_tokens
-                computed += len(tokens)
-            params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
-            self.core.add_chunk(piece.seq, tokens, params, self.loras[piece.index], resumable=piece.keep)
-            chunks[piece.seq] = piece.index
-        failed, work = self._wait(chunks, sum(len(p.request) for p in pieces))
-        return Ran(None, failed, computed + work[0], work[2], work[1])
+    def run(self, pieces: Sequence[Piece[str]], make_room: Callable[[], bool]) -> Ran[torch.Tensor]:
+        """Add one chunk per piece (its capture tag, context fingerprint, fork source and LoRA all
+        from the piece), step the engine until each has its token, and collect the rows."""
+        ticket = self.rows.prepare(len(pieces))
+        finished = False
+        try:
+            chunks: dict[str, int] = {}
+            computed = 0
+            for piece, extra in zip(pieces, ticket.extra_args, strict=True):
+                request = piece.request
+                args = {**extra, CONTEXT: context_fingerprint(request.context)}
+                if piece.fresh:
+                    tokens = request.token_ids  # vLLM's prefix cache and the fork serve what is held
+                    source = self._sources.pop(piece.seq, None)
+                    if source is not None:
+                        args[FORK] = source
+                else:
+                    tokens = piece.new_tokens
+                    computed += len(tokens)
+                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
+                self.core.add_chunk(piece.seq, tokens, params, self.lora_of(request.adapter), resumable=piece.keep)
+                chunks[piece.seq] = len(chunks)
+            ended, work = self._wait(chunks, sum(len(p.request) for p in pieces))
+            rows = self.rows.collect(ticket)
+            finished = True
+        finally:
+            self.rows.release(ticket, finished)
+        value, failed = _block(rows, pieces, ended)
+        return Ran(value, failed, computed + work[0], work[2], work[1])
 
     def _wait(self, chunks: dict[str, int], tokens: int) -> tuple[dict[int, BaseException], list[int]]:
-        """Step the engine until every chunk has its token. The chunks that ended otherwise, by index
-        (their rows are missing, and the caller's error names them), and the prefill tokens
-        ``[computed, cached, copied]`` of fresh chunks."""
+        """Step the engine until every chunk has its token. The chunks that ended otherwise (aborted
+        or failed in the engine), by piece, and the prefill tokens ``[computed, cached, copied]`` of
+        fresh chunks."""
         pending, work = set(chunks), [0, 0, 0]
-        failed: dict[int, BaseException] = {}
+        ended: dict[int, BaseException] = {}
         idle, patience = 0, tokens // max(self.token_budget, 1) + 64  # steps with no output: prefill chunks
         while pending:
             outputs = self.core.step()
@@ -112,20 +125,44 @@ class SessionEngine(LiveEngine[str, None]):
                     continue
                 pending.discard(out.request_id)
                 if not out.new_token_ids:  # aborted or failed in the engine
-                    failed[chunks[out.request_id]] = RuntimeError(f"vLLM ended request {out.request_id} early")
+                    ended[chunks[out.request_id]] = RuntimeError(f"vLLM ended request {out.request_id} early")
                 counts = prefill_counts(out)
                 if counts is not None:
                     work = [a + b for a, b in zip(work, counts, strict=True)]
-        return failed, work
+        return ended, work
+
+
+def _block(
+    rows: Sequence[torch.Tensor | None], pieces: Sequence[Piece[str]], ended: dict[int, BaseException]
+) -> tuple[torch.Tensor, dict[int, BaseException]]:
+    """The batch's rows as one block (without a copy where they are one already), and the failed
+    pieces: those vLLM ended early, and those whose row is missing (the capture processor writes no
+    row for a chunk whose context differs from its fingerprint). A failed piece's place in the block
+    holds NaN; :meth:`~genlm_core.live.Ran.rows` puts a :class:`~genlm_core.rows.Failed` there."""
+    failed = dict(ended)
+    for i, row in enumerate(rows):
+        if row is None and i not in failed:
+            context = pieces[i].request.context
+            failed[i] = RuntimeError(
+                f"vLLM returned no logits for 1 of {len(rows)} requests (a context of {len(context)} tokens "
+                f"ending {list(context.take(range(max(0, len(context) - 5), len(context))))})"
+            )
+    if not failed:
+        return as_block(rows), failed  # type: ignore[arg-type]
+    good = next((row for i, row in enumerate(rows) if row is not None and i not in failed), None)
+    if good is None:
+        return torch.full((len(rows), 0), float("nan")), failed
+    nan = torch.full_like(good, float("nan"))
+    return torch.stack([nan if i in failed or row is None else row for i, row in enumerate(rows)]), failed
 
 
 class Sessions:
     """Live sequences of one ``vllm.LLM`` engine, continued across batches of requests."""
 
-    def __init__(self, llm: Any, options: LiveOptions | None = None):
-        self.engine = SessionEngine(EngineCore.of(llm))
+    def __init__(self, llm: Any, rows: RowChannel, lora_of: LoRAOf, options: LiveOptions | None = None):
+        self.engine = SessionEngine(EngineCore.of(llm), rows, lora_of)
         self.core = self.engine.core
-        self.live: LiveSequences[str, None] = LiveSequences(
+        self.live: LiveSequences[str, torch.Tensor] = LiveSequences(
             self.engine, options or LiveOptions.model_validate({"max_idle_batches": MAX_IDLE_BATCHES})
         )
 
@@ -133,14 +170,11 @@ class Sessions:
     def stats(self) -> LiveStats:
         return self.live.stats
 
-    def run(self, requests: Sequence[Request], extra_args: Sequence[dict[str, Any]], loras: Sequence[Any]) -> None:
-        """Compute one row per request (captured by its ``extra_args``' tag), continuing live
-        sessions where a request extends one; on return the batch's sessions are the live ones."""
-        self.engine.extra_args, self.engine.loras = extra_args, loras
-        try:
-            self.live.run(requests)
-        finally:
-            self.engine.extra_args, self.engine.loras = (), ()
+    def run(self, requests: Sequence[Request]) -> Ran[torch.Tensor]:
+        """One row per request (a failed one in ``failed``: :meth:`~genlm_core.live.Ran.rows`),
+        continuing live sessions where a request extends one; on return the batch's sessions that
+        did not fail are the live ones."""
+        return self.live.run(requests)
 
     def release_all(self) -> None:
         """Abort every live session (before anything else uses the engine: a parked session keeps
