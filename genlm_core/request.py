@@ -2,15 +2,16 @@
 
 A particle program asks for a context, then for that context plus one token, and so on. What is
 done per request here does not grow with the context for a :class:`~genlm_core.context.Context`
-handle (checked when it was made, hashed from its parent's sample), and for a list or tuple it is
-one C-speed snapshot plus a C-speed comparison with the context it extends: a request's hash reads a
-fixed number of ids (:func:`~genlm_core.context.sample_hash`), and a context that extends one checked
-recently by a token is checked in that token only (:class:`ContextChecker`).
+handle (checked when it was made, hashed from its parent's sample); for a list or tuple that extends
+a context checked recently by a token it is one C-speed copy (the snapshot) and one ``memcmp`` of the
+items' addresses (:class:`ContextChecker`): a request's hash reads a fixed number of ids
+(:func:`~genlm_core.context.sample_hash`), and only the new id is checked.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import sys
 import threading
@@ -124,6 +125,54 @@ def untrack_ids(token_ids: tuple[int, ...]) -> tuple[int, ...]:
     return token_ids
 
 
+#: Contexts at least this long are compared by their items' addresses (:func:`same_objects`) when they can be.
+POINTER_COMPARE_MIN = 64
+
+
+@functools.cache
+def _memcmp() -> Any:
+    """libc's ``memcmp``, called with the GIL held (no other thread changes a list while it reads), where
+    CPython lays a list's and a tuple's item pointers out as this module reads them (checked here, on
+    first use, on objects made for the purpose); else None."""
+    if sys.implementation.name != "cpython" or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    if getattr(sys, "_is_gil_enabled", lambda: True)() is False:
+        return None
+    try:
+        memcmp = ctypes.PyDLL(None).memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    memcmp.restype = ctypes.c_int
+    items = [object() for _ in range(3)]
+    probe = tuple(items)
+    if [ctypes.c_void_p.from_address(id(probe) + 24 + 8 * i).value for i in range(3)] != list(map(id, items)):
+        return None
+    array = ctypes.c_void_p.from_address(id(items) + 24).value
+    if array is None or ctypes.c_void_p.from_address(array).value != id(items[0]):
+        return None
+    return memcmp
+
+
+def same_objects(token_ids: list[Any] | tuple[Any, ...], ids: tuple[int, ...]) -> bool | None:
+    """Whether ``token_ids`` holds exactly the objects of ``ids``, in order (so it equals ``ids``: the
+    objects are ints that ``ids`` keeps alive), read in one ``memcmp`` of their item pointers: no id is
+    read, and the list is read at one instant. None where this cannot be done (see :func:`_memcmp`)."""
+    memcmp = _memcmp()
+    if memcmp is None:
+        return None
+    n = len(ids)
+    if len(token_ids) != n:
+        return False
+    if type(token_ids) is list:
+        items = ctypes.c_void_p.from_address(id(token_ids) + 24).value
+    elif type(token_ids) is tuple:
+        items = id(token_ids) + 24
+    else:
+        return None
+    return memcmp(items, id(ids) + 24, 8 * n) == 0
+
+
 #: Most tokens, over all contexts, that :class:`ContextChecker` remembers as checked.
 CHECKED_TOKENS = 2**23
 
@@ -136,11 +185,14 @@ class ContextChecker:
     :func:`~genlm_core.validation.check_token_ids`. For an extension, the context checked before is
     found by the hash of the prefix (every id but the last: :func:`context_hash` reads a fixed
     number of ids), the request is built from that checked prefix and the new id, and it is compared
-    whole, by value, with the caller's context: only an equal one is taken (so a hash is never trusted
-    alone, and an engine always sees the exact ids that were checked; a position already checked is
-    read by value: ``3.0`` where ``3`` was checked reads as ``3``). Then only the new id is checked.
-    The cost: one copy of the caller's context, one of the checked prefix, one comparison, all at C
-    speed. Remembers the most recent contexts, up to :data:`CHECKED_TOKENS` tokens in all.
+    whole with the caller's context: only an equal one is taken (so a hash is never trusted alone, and
+    an engine always sees the exact ids that were checked). Then only the new id is checked. The
+    comparison is by the items' addresses where the caller's list holds the very int objects checked
+    before (a program that appends to its list, or builds it from the last one: one ``memcmp``, see
+    :func:`same_objects`), else by value (a position already checked is read by value: ``3.0`` where
+    ``3`` was checked reads as ``3``). The cost: one C-speed copy (the checked prefix and the new id,
+    which is the request's snapshot) and one ``memcmp``; by value, one more copy and a comparison.
+    Remembers the most recent contexts, up to :data:`CHECKED_TOKENS` tokens in all.
     Thread-safe; a race costs a full check at most.
     """
 
@@ -170,11 +222,11 @@ class ContextChecker:
             if n >= 2:
                 last = token_ids[-1]
                 if type(last) is int and 0 <= last < self.vocab_size:
-                    snapshot = tuple(token_ids)
-                    parent = self._known.get(context_hash(snapshot, adapter, n - 1))
+                    parent = self._known.get(context_hash(token_ids, adapter, n - 1))
                     if parent is not None and parent.adapter == adapter and len(parent) == n - 1:
-                        ids = parent.token_ids + (last,)
-                        if ids == snapshot:
+                        ids = parent.token_ids + (last,)  # the snapshot, if the caller's context equals it
+                        same = same_objects(token_ids, ids) if n >= POINTER_COMPARE_MIN else None
+                        if same or (same is None and ids == tuple(token_ids)):
                             self.extended += 1
                             return self._remember(Request(Context.trusted(untrack_ids(ids), self.vocab_size), adapter))
         self.checked += 1

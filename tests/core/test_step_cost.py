@@ -301,3 +301,49 @@ def test_threads_are_never_handed_one_block(monkeypatch):
         sys.setswitchinterval(interval)
     assert not errors, errors[:3]
     assert memory.reused > 0
+
+
+def test_long_lists_compared_by_address_or_by_value_are_exactly_the_context_given(monkeypatch):
+    """Long contexts (over POINTER_COMPARE_MIN) extended, edited in place, rebuilt from other int objects
+    of the same values, or given floats and bools: every request is the checked tuple of the caller's
+    context at the call, whichever comparison took it; both comparisons are exercised."""
+    import genlm_core.request as request_module
+    from genlm_core.validation import check_token_ids
+
+    calls = {"address": 0, "same": 0}
+    real = request_module.same_objects
+
+    def counting(token_ids, ids):
+        calls["address"] += 1
+        same = real(token_ids, ids)
+        calls["same"] += bool(same)
+        return same
+
+    monkeypatch.setattr(request_module, "same_objects", counting)
+    vocab = 5000
+    checker = ContextChecker(vocab_size=vocab)
+    rng = random.Random(9)
+    context = [rng.randrange(vocab) for _ in range(request_module.POINTER_COMPARE_MIN + 10)]
+    for _ in range(400):
+        action = rng.random()
+        if action < 0.5:
+            context.append(rng.randrange(vocab))
+        elif action < 0.6:  # the same values, other int objects (ids above 256 are not shared)
+            context = [int(str(i)) for i in context] + [rng.randrange(vocab)]
+        elif action < 0.75:  # an earlier position changed in place, then a token appended
+            context[rng.randrange(len(context))] = rng.randrange(vocab)
+            context.append(rng.randrange(vocab))
+        elif action < 0.85:
+            context = [*context, rng.choice([3.0, True, 2.5, vocab, -1])]
+        else:  # a particle that went back a few tokens
+            context = context[: max(2, len(context) - rng.randrange(1, 4))]
+        try:
+            expected = check_token_ids(context, vocab)
+        except (TypeError, ValueError) as error:
+            with pytest.raises(type(error)):
+                checker.request(context, None)
+            context = [int(i) for i in context[:-1] if type(i) is int and 0 <= i < vocab]
+            continue
+        got = checker.request(context, None)
+        assert got.token_ids == expected and all(type(i) is int for i in got.token_ids)
+    assert calls["same"] > 50 and calls["address"] > calls["same"] and checker.extended > 100
