@@ -4,9 +4,9 @@ A particle program asks for the row after ``ids``, draws ``t``, then asks for ``
 that keeps each row's context alive (llama.cpp's sequences, vLLM's resumable sessions, a toy engine
 in a plugin) computes only ``[t]`` for it. Everything but the engine's own primitives is here:
 
-- **matching** (:class:`~genlm_core.lineage.LiveContexts`, on exact token tuples and adapter): a live
-  sequence is *continued* in place by at most one request of a batch; its other children *fork* it
-  (a copy of its context, then their own tokens);
+- **matching** (:class:`~genlm_core.live_index.LiveIndex`, the one index of what each live sequence
+  holds, on exact token tuples and adapter): a live sequence is *continued* in place by at most one
+  request of a batch; its other children *fork* it (a copy of its context, then their own tokens);
 - **placement** of every other request: a copy of the longest prefix it shares with a live sequence
   (a sibling whose row comes in a later batch, a particle that went back, a repeated context), else a
   *fresh* sequence computed from the start;
@@ -45,7 +45,8 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from genlm_core.lineage import Continuation, LiveContexts, nearest_prefix
+from genlm_core.lineage import Continuation
+from genlm_core.live_index import LiveIndex
 from genlm_core.request import Request
 from genlm_core.rows import Failed, RowsOut
 
@@ -230,21 +231,22 @@ class LiveSequences(Generic[H, R]):
     def __init__(self, engine: LiveEngine[H, R], options: LiveOptions | None = None):
         self.engine = engine
         self.options = o = options or LiveOptions.model_validate({})
-        self.live: LiveContexts[H] = LiveContexts(o.lookback, max_idle_batches=o.max_idle_batches)
+        #: the one index of what each sequence holds (read it through the methods below)
+        self._index: LiveIndex[H] = LiveIndex(o.lookback, o.max_idle_batches, arrays=engine.copies_any_prefix)
         self.stats = LiveStats()
-        #: what each live sequence holds (its context), and the same as arrays for prefix search
-        self._held: dict[H, Request] = {}
-        self._arrays: dict[H, np.ndarray] = {}
-        #: a context less its last 1..lookback tokens -> the live sequence that extends it (for siblings)
-        self._parents: dict[Request, H] = {}
         self._warned = False
 
     def __len__(self) -> int:
-        return len(self.live)
+        """Live sequences."""
+        return len(self._index)
 
     def contexts(self) -> list[Request]:
         """The live sequences' contexts (as requests), kept longest ago first (the first to be evicted)."""
-        return self.live.contexts()
+        return self._index.contexts()
+
+    def sequences(self) -> list[tuple[Request, H]]:
+        """``(context, engine handle)`` of each live sequence, kept longest ago first."""
+        return self._index.items()
 
     def run(self, requests: Sequence[Request]) -> Ran[R]:
         """The engine's rows for ``requests`` (validated, distinct), continuing live sequences where a
@@ -263,10 +265,7 @@ class LiveSequences(Generic[H, R]):
 
     def release_all(self) -> None:
         """Release every live sequence."""
-        seqs = self.live.release_all()
-        self._held.clear()
-        self._arrays.clear()
-        self._parents.clear()
+        seqs = self._index.release_all()
         if seqs:
             self.engine.release(seqs)
 
@@ -298,14 +297,7 @@ class LiveSequences(Generic[H, R]):
             )
         order = list(range(len(requests)))
         if type(self.engine).join is LiveEngine.join:  # arrays or tensors: rows can be put back in order
-            held = set(self._held.values())
-            lookback = self.options.lookback
-
-            def extends_a_live_one(i: int) -> bool:
-                hit = nearest_prefix(lambda key: key if key in held else None, requests[i], lookback, shortest_cut=1)
-                return hit is not None
-
-            order.sort(key=lambda i: not extends_a_live_one(i))
+            order.sort(key=lambda i: not self._index.extends_live(requests[i]))
         values, failed = [], {}
         for start in range(0, len(requests), size):
             indices = order[start : start + size]
@@ -322,11 +314,11 @@ class LiveSequences(Generic[H, R]):
         """Plan, place, run, commit; raises NoRoom with none of this batch's sequences left (when
         there are too few sequences for it, before anything runs: the live sequences stay as they
         were)."""
-        plan, idle = self.live.plan(requests)
+        plan, idle = self._index.plan(requests)
         self._drop(idle)
         claimed = [c.handle for c in plan if c is not None and not c.fork]
         # what stays held once the batch runs: the live sequences nobody claimed, then each piece's
-        sequences, tokens = self._make_room(requests, claimed)
+        sequences, tokens = self._make_room(requests)
         # every other request takes its sequence now, before anything is copied into one
         taken = self._take_for(sum(c is None or c.fork for c in plan), claimed)
         batch = claimed + taken  # every sequence the batch uses
@@ -394,32 +386,10 @@ class LiveSequences(Generic[H, R]):
         seq = next(free)
         if continuation is not None and self.engine.copy(continuation.handle, seq, n - len(continuation.new_tokens)):
             return Piece(index, request, seq, n - len(continuation.new_tokens), True, keep), "forked"
-        source = self._longest_prefix(request)
+        source = self._index.longest_prefix(request)
         if source is not None and self.engine.copy(source[0], seq, source[1]):
             return Piece(index, request, seq, source[1], True, keep), "copied"
         return Piece(index, request, seq, 0, True, keep), "fresh"
-
-    def _longest_prefix(self, request: Request) -> tuple[H, int] | None:
-        """A live sequence and the length of the longest prefix of ``request`` it holds (leaving at
-        least the last token to compute), or None."""
-        hit = nearest_prefix(self._parents.get, request, self.options.lookback, shortest_cut=1)
-        if hit is not None:
-            return hit[1], len(request) - hit[0]
-        if not self.engine.copies_any_prefix or not self._arrays:
-            return None
-        target = np.asarray(request.token_ids, np.int64)
-        best, source = 0, None
-        for seq, held in self._arrays.items():
-            if self._held[seq].adapter != request.adapter:
-                continue
-            n = min(len(held), len(target) - 1)
-            if n <= best:
-                continue
-            differ = np.flatnonzero(held[:n] != target[:n])
-            common = int(differ[0]) if len(differ) else n
-            if common > best:
-                best, source = common, seq
-        return None if source is None else (source, best)
 
     def _count(self, pieces: Sequence[Piece[H]], ran: Ran[R], part: bool) -> None:
         """Count a batch the engine ran: its rows (``alone`` too when it was a part of a split batch)
@@ -435,25 +405,22 @@ class LiveSequences(Generic[H, R]):
 
     # ---- room ----------------------------------------------------------------------------------
 
-    def _make_room(self, requests: Sequence[Request], batch: Sequence[H]) -> tuple[int, int]:
+    def _make_room(self, requests: Sequence[Request]) -> tuple[int, int]:
         """Evict unclaimed live sequences, oldest first, until the batch fits beside the rest (for
         engines that say how much they hold) and at most ``max_sequences`` would stay live. Returns the
         sequences and tokens the unclaimed ones that stay hold."""
         cap = self.options.max_sequences
-        claimed = set(batch)
-        parked = len(self._held) - len(claimed)
-        held = sum(len(r) for seq, r in self._held.items() if seq not in claimed)
+        parked, held = len(self._index), self._index.live_tokens()  # (the batch's claimed ones are not live)
         asked = sum(len(r) for r in requests)
         while not (
             self.engine.room(parked + len(requests), held + asked) and (cap is None or parked + len(requests) <= cap)
         ):
-            seq = self.live.evict()
-            if seq is None:
+            evicted = self._index.evict()
+            if evicted is None:
                 break
-            request = self._held.get(seq)
-            parked, held = parked - 1, held - (0 if request is None else len(request))
+            parked, held = parked - 1, held - len(evicted[1])
             self.stats.evicted += 1
-            self._drop([seq])
+            self.engine.release([evicted[0]])
         return parked, held
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -472,9 +439,7 @@ class LiveSequences(Generic[H, R]):
                 if taken:
                     self.engine.release(taken)
                 for seq in claimed:
-                    displaced = self.live.keep(self._held[seq], seq)
-                    if displaced is not None:
-                        self._drop([displaced])
+                    self._keep(self._index.held(seq), seq)  # type: ignore[arg-type]  # claimed: held
                 fits = len(claimed) + len(taken)
                 raise NoRoom(
                     f"{type(self.engine).__name__} holds {fits} sequences at once, fewer than the "
@@ -485,38 +450,19 @@ class LiveSequences(Generic[H, R]):
 
     def _evict_one(self) -> bool:
         """Release the live sequence kept longest ago; False if none is live."""
-        seq = self.live.evict()
-        if seq is None:
+        evicted = self._index.evict()
+        if evicted is None:
             return False
         self.stats.evicted += 1
-        self._drop([seq])
+        self.engine.release([evicted[0]])
         return True
 
     def _keep(self, request: Request, seq: H) -> None:
-        displaced = self.live.keep(request, seq)
+        displaced = self._index.keep(request, seq)
         if displaced is not None:
-            self._drop([displaced])
-        self._forget_held(seq)
-        self._held[seq] = request
-        if self.engine.copies_any_prefix:
-            self._arrays[seq] = np.asarray(request.token_ids, np.int64)
-        n = len(request)
-        for cut in range(1, min(self.options.lookback, n - 1) + 1):
-            self._parents[request.prefix(n - cut)] = seq
+            self.engine.release([displaced])
 
     def _drop(self, seqs: Sequence[H]) -> None:
-        for seq in seqs:
-            self._forget_held(seq)
+        self._index.forget(seqs)
         if seqs:
             self.engine.release(seqs)
-
-    def _forget_held(self, seq: H) -> None:
-        request = self._held.pop(seq, None)
-        self._arrays.pop(seq, None)
-        if request is None:
-            return
-        n = len(request)
-        for cut in range(1, min(self.options.lookback, n - 1) + 1):
-            key = request.prefix(n - cut)
-            if self._parents.get(key) == seq:
-                del self._parents[key]

@@ -1,11 +1,12 @@
-"""Core's lineage: which request continues which live context."""
+"""Core's lineage: which request continues which live context (the live index's plan, and nearest_prefix)."""
 
 from genlm_core import Request
-from genlm_core.lineage import Continuation, LiveContexts, nearest_prefix
+from genlm_core.lineage import Continuation, nearest_prefix
+from genlm_core.live_index import LiveIndex
 
 
 def test_each_live_context_is_continued_once_by_exact_tokens_and_adapter():
-    live: LiveContexts[str] = LiveContexts(lookback=2)
+    live: LiveIndex[str] = LiveIndex(lookback=2)
     live.keep(Request((1, 2, 3)), "a")
     live.keep(Request((1, 2, 3), "lora"), "b")
     live.keep(Request((7, 8)), "c")
@@ -26,7 +27,7 @@ def test_each_live_context_is_continued_once_by_exact_tokens_and_adapter():
 
 
 def test_unclaimed_contexts_stay_live_until_evicted_oldest_first():
-    live: LiveContexts[str] = LiveContexts()
+    live: LiveIndex[str] = LiveIndex()
     live.keep(Request((1, 2)), "a")
     live.keep(Request((5, 6)), "b")
     live.keep(Request((8,)), "c")
@@ -38,11 +39,17 @@ def test_unclaimed_contexts_stay_live_until_evicted_oldest_first():
     live.keep(Request((1, 2, 3)), "a")
     live.keep(Request((1, 2, 4)), "d")
     assert live.keep(Request((8,)), "e") == "c"  # a fresh sequence for a live context displaces the old one
-    assert [live.evict() for _ in range(5)] == ["b", "a", "d", "e", None]
+    assert [live.evict() for _ in range(5)] == [
+        ("b", Request((5, 6, 7))),
+        ("a", Request((1, 2, 3))),
+        ("d", Request((1, 2, 4))),
+        ("e", Request((8,))),
+        None,
+    ]
 
 
 def test_unclaimed_contexts_are_released_after_max_idle_batches():
-    live: LiveContexts[str] = LiveContexts(max_idle_batches=2)
+    live: LiveIndex[str] = LiveIndex(max_idle_batches=2)
     live.keep(Request((1, 2)), "a")
     live.keep(Request((5, 6)), "b")
     assert live.plan([Request((9,))]) == ([None], [])  # idle for one batch: both stay

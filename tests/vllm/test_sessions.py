@@ -113,7 +113,7 @@ async def test_a_fork_naming_the_wrong_parent_recomputes(engine, monkeypatch):
     a, b = tuple(range(700, 740)), tuple(range(800, 840))
     await asyncio.gather(engine.next_token_logprobs(list(a)), engine.next_token_logprobs(list(b)))
     sessions = engine.driver.sessions
-    handles = {key.token_ids: h for key, h in sessions.live.live.items()}
+    handles = {key.token_ids: h for key, h in sessions.live.sequences()}
     other = {handles[a]: handles[b], handles[b]: handles[a]}
     copy = sessions.engine.copy
 

@@ -1,0 +1,187 @@
+"""The index of an engine's live sequences: one owner of what each sequence holds and who extends it.
+
+:class:`~genlm_core.live.LiveSequences` asks four questions of its live sequences, answered here from
+one set of maps kept in step in one place (:meth:`LiveIndex.keep` and :meth:`LiveIndex.forget`):
+
+- which live sequence a request continues (the nearest earlier context it extends by at most
+  ``lookback`` tokens, each continued by at most one request of a batch: :meth:`LiveIndex.plan`);
+- which sequence holds a context less its last few tokens (the parent a sibling forks, or copies);
+- which sequence shares the longest prefix with a request (for an engine that copies any prefix);
+- which sequence to give up next (kept longest ago first; idle for too many batches).
+
+Matching is on exact token tuples and adapter (:class:`~genlm_core.request.Request` keys), never
+on object identity. A *handle* is the engine's name of a sequence; a handle is either **live**
+(between batches, unclaimed), **claimed** (continued by the batch being planned and run: it still
+holds its old context until :meth:`LiveIndex.keep` records the new one), or not in the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from genlm_core.lineage import Continuation, nearest_prefix
+from genlm_core.request import Request
+
+H = TypeVar("H")  #: the engine's handle of one sequence (hashable)
+
+
+class LiveIndex(Generic[H]):
+    """What each sequence of an engine holds, by handle and by context.
+
+    ``lookback``: most tokens by which a request may extend a live sequence (also how many shorter
+    prefixes of each held context are indexed, for siblings). ``max_idle_batches``: batches in a
+    row a live sequence may go unclaimed before :meth:`plan` lets it go (None: until evicted).
+    ``arrays``: keep each held context as an array too, for :meth:`longest_prefix`'s search over
+    any prefix (engines that copy any prefix)."""
+
+    def __init__(self, lookback: int = 1, max_idle_batches: int | None = None, arrays: bool = False):
+        self.lookback = lookback
+        self.max_idle_batches = max_idle_batches
+        self.arrays = arrays
+        self._held: dict[H, Request] = {}  # every handle in the index -> the context it holds
+        self._live: dict[Request, H] = {}  # unclaimed handles by context, kept longest ago first
+        self._idle: dict[Request, int] = {}  # batches since each live context was last kept
+        self._parents: dict[Request, H] = {}  # a held context less 1..lookback tokens -> its holder
+        self._array: dict[H, np.ndarray] = {}  # held contexts as arrays (with ``arrays``)
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Live sequences (between batches: every sequence in the index)."""
+        return len(self._live)
+
+    def contexts(self) -> list[Request]:
+        """The live sequences' contexts, kept longest ago first (the order of :meth:`evict`)."""
+        return list(self._live)
+
+    def items(self) -> list[tuple[Request, H]]:
+        """``(context, handle)`` of each live sequence, kept longest ago first."""
+        return list(self._live.items())
+
+    def held(self, handle: H) -> Request | None:
+        """The context ``handle`` holds (live or claimed), or None if it is not in the index."""
+        return self._held.get(handle)
+
+    def live_tokens(self) -> int:
+        """Tokens the live sequences hold in all."""
+        return sum(len(context) for context in self._live)
+
+    def extends_live(self, request: Request) -> bool:
+        """Whether ``request`` extends a live context by 1 to ``lookback`` tokens."""
+        live = self._live
+        return (
+            nearest_prefix(lambda key: key if key in live else None, request, self.lookback, shortest_cut=1) is not None
+        )
+
+    def longest_prefix(self, request: Request) -> tuple[H, int] | None:
+        """A sequence in the index and the length of the longest prefix of ``request`` it holds,
+        leaving at least the request's last token to compute: a held context less at most
+        ``lookback`` tokens first, else (with ``arrays``) the longest common prefix of any held
+        context under the same adapter; None if none shares a token."""
+        hit = nearest_prefix(self._parents.get, request, self.lookback, shortest_cut=1)
+        if hit is not None:
+            return hit[1], len(request) - hit[0]
+        if not self.arrays or not self._array:
+            return None
+        target = np.asarray(request.token_ids, np.int64)
+        best, source = 0, None
+        for handle, held in self._array.items():
+            if self._held[handle].adapter != request.adapter:
+                continue
+            n = min(len(held), len(target) - 1)
+            if n <= best:
+                continue
+            differ = np.flatnonzero(held[:n] != target[:n])
+            common = int(differ[0]) if len(differ) else n
+            if common > best:
+                best, source = common, handle
+        return None if source is None else (source, best)
+
+    # ---- a batch -----------------------------------------------------------------------------
+
+    def plan(self, requests: Sequence[Request]) -> tuple[list[Continuation[H] | None], list[H]]:
+        """One :class:`~genlm_core.lineage.Continuation` (or None: no live sequence to extend) per
+        request, and the handles of sequences idle for more than ``max_idle_batches`` (forgotten:
+        release them). A continued sequence is claimed (no longer live, still held) until
+        :meth:`keep` or :meth:`forget`; a request extending a sequence that an earlier request of
+        the batch continues gets a ``fork``."""
+        live = self._live
+        continued: dict[Request, H] = {}
+        plan: list[Continuation[H] | None] = []
+        for request in requests:
+
+            def claim(key: Request) -> tuple[H, bool] | None:
+                if key in live:  # a live sequence is continued once; later requests fork it
+                    continued[key] = live.pop(key)
+                    return continued[key], False
+                return (continued[key], True) if key in continued else None
+
+            hit = nearest_prefix(claim, request, self.lookback, shortest_cut=1)
+            if hit is None:
+                plan.append(None)
+            else:
+                cut, (handle, fork) = hit
+                plan.append(Continuation(handle, request.new_tokens(len(request) - cut), fork))
+        released = []
+        for key in continued:
+            self._idle.pop(key, None)
+        for key in list(live):
+            self._idle[key] = idle = self._idle.get(key, 0) + 1
+            if self.max_idle_batches is not None and idle > self.max_idle_batches:
+                released.append(live[key])
+        self.forget(released)
+        return plan, released
+
+    def keep(self, request: Request, handle: H) -> H | None:
+        """``handle`` now holds ``request``'s context, live for the next batch (the newest in line);
+        what it held before is forgotten. Returns the handle that held the same context live
+        before, if any (forgotten: release it)."""
+        self._forget_one(handle)
+        before = self._live.get(request)
+        if before is not None:
+            self._forget_one(before)
+        self._live[request] = handle
+        self._idle[request] = 0
+        self._held[handle] = request
+        if self.arrays:
+            self._array[handle] = np.asarray(request.token_ids, np.int64)
+        n = len(request)
+        for cut in range(1, min(self.lookback, n - 1) + 1):
+            self._parents[request.prefix(n - cut)] = handle
+        return before
+
+    def forget(self, handles: Sequence[H]) -> None:
+        """Forget these handles (live or claimed) and everything indexed about them."""
+        for handle in handles:
+            self._forget_one(handle)
+
+    def evict(self) -> tuple[H, Request] | None:
+        """Forget the live sequence kept longest ago: its handle (to release) and what it held, or None."""
+        if not self._live:
+            return None
+        request, handle = next(iter(self._live.items()))
+        self._forget_one(handle)
+        return handle, request
+
+    def release_all(self) -> list[H]:
+        """Forget every sequence (live or claimed); their handles, to release."""
+        handles = list(self._held)
+        self._held, self._live, self._idle, self._parents, self._array = {}, {}, {}, {}, {}
+        return handles
+
+    def _forget_one(self, handle: H) -> None:
+        request = self._held.pop(handle, None)
+        self._array.pop(handle, None)
+        if request is None:
+            return
+        if self._live.get(request) == handle:
+            del self._live[request]
+            self._idle.pop(request, None)
+        n = len(request)
+        for cut in range(1, min(self.lookback, n - 1) + 1):
+            key = request.prefix(n - cut)
+            if self._parents.get(key) == handle:
+                del self._parents[key]
