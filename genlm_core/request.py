@@ -4,7 +4,7 @@ A particle program asks for a context, then for that context plus one token, and
 done per request here does not grow with the context for a :class:`~genlm_core.context.Context`
 handle (checked when it was made, hashed from its parent's sample); for a list or tuple that extends
 a context checked recently by a token it is one C-speed copy (the snapshot) and one ``memcmp`` of the
-items' addresses (:class:`ContextChecker`): a request's hash reads a fixed number of ids
+items' addresses against the checked context (:class:`ContextChecker`): a request's hash reads a fixed number of ids
 (:func:`~genlm_core.context.sample_hash`), and only the new id is checked.
 """
 
@@ -154,23 +154,18 @@ def _memcmp() -> Any:
     return memcmp
 
 
-def same_objects(token_ids: list[Any] | tuple[Any, ...], ids: tuple[int, ...]) -> bool | None:
-    """Whether ``token_ids`` holds exactly the objects of ``ids``, in order (so it equals ``ids``: the
-    objects are ints that ``ids`` keeps alive), read in one ``memcmp`` of their item pointers: no id is
-    read, and the list is read at one instant. None where this cannot be done (see :func:`_memcmp`)."""
+def same_objects(snapshot: tuple[Any, ...], prefix: tuple[int, ...]) -> bool | None:
+    """Whether ``snapshot`` starts with exactly the objects of ``prefix``, in order (so it starts with
+    ``prefix``'s values: ints that ``prefix`` keeps alive), read in one ``memcmp`` of their item
+    pointers, no object touched. Both are tuples, which no thread can change while it reads. None
+    where this cannot be done (see :func:`_memcmp`)."""
     memcmp = _memcmp()
-    if memcmp is None:
+    if memcmp is None or type(snapshot) is not tuple or type(prefix) is not tuple:
         return None
-    n = len(ids)
-    if len(token_ids) != n:
+    n = len(prefix)
+    if len(snapshot) < n:
         return False
-    if type(token_ids) is list:
-        items = ctypes.c_void_p.from_address(id(token_ids) + 24).value
-    elif type(token_ids) is tuple:
-        items = id(token_ids) + 24
-    else:
-        return None
-    return memcmp(items, id(ids) + 24, 8 * n) == 0
+    return memcmp(id(snapshot) + 24, id(prefix) + 24, 8 * n) == 0
 
 
 #: Most tokens, over all contexts, that :class:`ContextChecker` remembers as checked.
@@ -187,11 +182,11 @@ class ContextChecker:
     number of ids), the request is built from that checked prefix and the new id, and it is compared
     whole with the caller's context: only an equal one is taken (so a hash is never trusted alone, and
     an engine always sees the exact ids that were checked). Then only the new id is checked. The
-    comparison is by the items' addresses where the caller's list holds the very int objects checked
-    before (a program that appends to its list, or builds it from the last one: one ``memcmp``, see
-    :func:`same_objects`), else by value (a position already checked is read by value: ``3.0`` where
-    ``3`` was checked reads as ``3``). The cost: one C-speed copy (the checked prefix and the new id,
-    which is the request's snapshot) and one ``memcmp``; by value, one more copy and a comparison.
+    comparison is by the items' addresses where the caller's snapshot holds the very int objects
+    checked before (a program that appends to its list, or builds it from the last one: one
+    ``memcmp``, see :func:`same_objects`), else by value (a position already checked is read by value:
+    ``3.0`` where ``3`` was checked reads as ``3``). The cost: one C-speed copy (the snapshot, which
+    becomes the request) and one ``memcmp``; by value, one more copy and a comparison.
     Remembers the most recent contexts, up to :data:`CHECKED_TOKENS` tokens in all.
     Thread-safe; a race costs a full check at most.
     """
@@ -224,11 +219,22 @@ class ContextChecker:
                 if type(last) is int and 0 <= last < self.vocab_size:
                     parent = self._known.get(context_hash(token_ids, adapter, n - 1))
                     if parent is not None and parent.adapter == adapter and len(parent) == n - 1:
-                        ids = parent.token_ids + (last,)  # the snapshot, if the caller's context equals it
-                        same = same_objects(token_ids, ids) if n >= POINTER_COMPARE_MIN else None
-                        if same or (same is None and ids == tuple(token_ids)):
-                            self.extended += 1
-                            return self._remember(Request(Context.trusted(untrack_ids(ids), self.vocab_size), adapter))
+                        snapshot = tuple(token_ids)  # the caller's context at one instant
+                        new = snapshot[-1]
+                        if type(new) is int and 0 <= new < self.vocab_size:
+                            checked = parent.token_ids
+                            ids: tuple[int, ...] | None
+                            if n >= POINTER_COMPARE_MIN and same_objects(snapshot, checked):
+                                ids = snapshot  # the checked objects themselves, then the new id
+                            else:  # by value: the checked ids, where the caller's equal them
+                                ids = checked + (new,)
+                                if ids != snapshot:
+                                    ids = None
+                            if ids is not None:
+                                self.extended += 1
+                                return self._remember(
+                                    Request(Context.trusted(untrack_ids(ids), self.vocab_size), adapter)
+                                )
         self.checked += 1
         ids = untrack_ids(check_token_ids(token_ids, self.vocab_size))
         return self._remember(Request(Context.trusted(ids, self.vocab_size), adapter))
