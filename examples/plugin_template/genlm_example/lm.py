@@ -51,7 +51,7 @@ class BigramLM(AsyncLM):
         k = self.options.smoothing
         logits = torch.full((len(requests), self.vocab_size), float(np.log(k)), dtype=torch.float64)
         for row, request in enumerate(requests):
-            nexts, counts = self.followers.get(request.token_ids[-1], (None, None))
+            nexts, counts = self.followers.get(request.context[-1], (None, None))  # the last id, read in place
             if nexts is not None and counts is not None:
                 logits[row, nexts] = torch.log(counts + k)
         return logits
