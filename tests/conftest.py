@@ -1,8 +1,13 @@
-"""Shared fixtures: real offline tokenizers (built once per machine) and a fresh plugin manager."""
+"""Shared fixtures: real offline tokenizers (built once per machine) and a fresh plugin manager; and the
+fast tier's time budget (``TimeBudget``)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import time
+from collections import defaultdict
+from collections.abc import Iterator
 
 # Nothing here comes from a model hub: an unknown name fails at once instead of retrying the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,3 +36,144 @@ def fresh_plugins():
     plugins = reset_plugins()
     yield plugins
     reset_plugins()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported (torch, transformers, vLLM: about a million objects) is kept out of the
+    garbage collector's full passes from here on. ``AsyncLM.cleanup()`` runs one (models hold reference
+    cycles), and over every import it took seconds, at each of the tier's hundreds of model closes; the
+    objects the tests create are still collected as before."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.sized(name=(fast, full))``: the test's argument ``name`` is ``fast`` in the fast tier, and
+    ``full`` in a second case marked ``slow`` and ``soak``: a randomised check runs small in the loop a
+    developer waits for, and at its full size in the whole suite, with the same assertions."""
+    for marker in metafunc.definition.iter_markers("sized"):
+        for name, (fast, full) in marker.kwargs.items():
+            if name in metafunc.fixturenames:
+                slow = pytest.param(full, marks=[pytest.mark.slow, pytest.mark.soak], id=f"{name}={full}")
+                metafunc.parametrize(name, [pytest.param(fast, id=f"{name}={fast}"), slow])
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini("fast_tier_budget", "seconds the whole fast tier may take (pytest's own time)", default="150")
+    parser.addini("fast_test_budget", "seconds one fast test may take, less its shared fixtures", default="2")
+    parser.addoption(
+        "--time-budget",
+        action="store_true",
+        help="fail the whole fast tier (-m 'not slow' over testpaths) past fast_tier_budget seconds (on when $CI "
+        "is set); fast tests over fast_test_budget seconds of their own are named in any run",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered as a plugin object, not left as conftest hooks: a conftest's test hooks see only the tests
+    # under its folder, and the fast tier also runs genlm_core's doctests.
+    config.pluginmanager.register(TimeBudget(config), TimeBudget.NAME)
+
+
+class TimeBudget:
+    """Prints the run's time, and names each test not marked ``slow`` that takes over ``fast_test_budget``
+    seconds of its own; fails the whole fast tier (``-m "not slow"`` over ``testpaths``) over
+    ``fast_tier_budget`` seconds where ``--time-budget`` is given or ``$CI`` is set. A file or a ``-k``
+    selection on a busy laptop is only reported, never failed.
+
+    A test's own time leaves out what fixtures of a wider scope than the function (a module's model, the
+    session's engine) cost to set up and tear down: those are shared, and counted once in the tier's time.
+    A fixture that starts something shared lazily reports it with :meth:`shared`. One test's time is too
+    noisy on a shared machine to fail a run on; the tier's total, with its margin, is what fails.
+    """
+
+    NAME = "genlm-time-budget"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        selected_all = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+        self.fast_tier = selected_all and config.option.markexpr.strip() == "not slow"
+        tiers = {"not slow": "fast tier", "slow": "slow tier", "": "whole suite"}
+        self.tier = tiers.get(config.option.markexpr.strip(), "this run") if selected_all else "this run"
+        self.enforced = config.option.time_budget or (_truthy(os.environ.get("CI")) and self.fast_tier)
+        self.tier_budget = float(config.getini("fast_tier_budget"))
+        self.test_budget = float(config.getini("fast_test_budget"))
+        self.start = time.perf_counter()
+        self.session: pytest.Session | None = None
+        self.times: dict[str, dict[str, float]] = defaultdict(dict)  # fast test: {phase: seconds}
+        self.shared_in_phase = 0.0  # seconds of shared set-up in the current phase
+        self.shared_torn_down = False  # a shared fixture was finalized in the current phase
+        self.shared_depth = 0
+        self.shared_costs: dict[str, float] = defaultdict(float)  # what: seconds
+
+    def shared(self, what: str, seconds: float) -> None:
+        """Count ``seconds`` spent inside a function-scoped fixture on something the session shares."""
+        self.shared_costs[what] += seconds
+        self.shared_in_phase += seconds
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.start = time.perf_counter()
+        self.session = session
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
+        if fixturedef.scope == "function":
+            return (yield)
+        self.shared_depth += 1
+        start = time.perf_counter()
+        try:
+            return (yield)
+        finally:
+            self.shared_depth -= 1
+            if self.shared_depth == 0:  # a shared fixture set up inside another is counted once
+                took = time.perf_counter() - start
+                self.shared_costs[f"{fixturedef.argname} ({fixturedef.scope})"] += took
+                self.shared_in_phase += took
+
+    def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
+        if fixturedef.scope != "function":
+            self.shared_torn_down = True
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if "slow" not in report.keywords:
+            own = report.duration - self.shared_in_phase
+            if report.when == "teardown" and self.shared_torn_down:
+                own = 0.0  # the session's or a module's fixtures closed after this test: not its time
+            self.times[report.nodeid][report.when] = max(own, 0.0)
+        self.shared_in_phase = 0.0
+        self.shared_torn_down = False
+
+    @pytest.hookimpl(trylast=True)  # the run's time as late as it can be read, before pytest's last line
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        elapsed = time.perf_counter() - self.start
+        over = [(nodeid, sum(phases.values()), phases) for nodeid, phases in self.times.items()]
+        over = sorted((entry for entry in over if entry[1] > self.test_budget), key=lambda entry: -entry[1])
+        tier_over = self.fast_tier and elapsed > self.tier_budget
+        write = terminalreporter.write_line
+        terminalreporter.section("time budget")
+        budget = f" (budget {self.tier_budget:g} s)" if self.fast_tier else ""
+        write(f"{self.tier}: {elapsed:.1f} s{budget}")
+        shared = sorted(self.shared_costs.items(), key=lambda kv: -kv[1])
+        if shared:
+            write("shared fixtures, set up once: " + ", ".join(f"{what} {s:.1f} s" for what, s in shared[:6]))
+        for nodeid, total, phases in over:
+            parts = ", ".join(f"{when} {s:.1f} s" for when, s in phases.items() if s >= 0.05)
+            write(f"fast test over {self.test_budget:g} s: {nodeid}: {total:.1f} s ({parts})", yellow=True)
+        if over:
+            write(
+                f"a fast test takes under {self.test_budget:g} s of its own: share what it builds (a module or "
+                "session fixture), size its randomised checks (@pytest.mark.sized), or mark it slow with its kind "
+                "(CONTRIBUTING.md, Tests)"
+            )
+        if tier_over:
+            write(f"the fast tier took {elapsed:.1f} s, over its budget of {self.tier_budget:g} s", red=self.enforced)
+        if self.enforced and tier_over and self.session is not None:
+            write("time budget exceeded: the run fails (--time-budget, or $CI with the whole fast tier)", red=True)
+            if self.session.exitstatus == pytest.ExitCode.OK:
+                self.session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() not in ("", "0", "false", "no")
