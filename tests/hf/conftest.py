@@ -9,7 +9,8 @@ from genlm_core.testing.models import tiny_model_dir
 
 
 class Reference:
-    """Next-token logprobs from one plain forward pass over the whole context, in float64."""
+    """Next-token logprobs from one plain forward pass over the whole context, in float64 (the output
+    layer on the last position only: the row asked for, not one per position of a 4000-token context)."""
 
     def __init__(self, path):
         from transformers import AutoModelForCausalLM
@@ -18,7 +19,7 @@ class Reference:
 
     def __call__(self, ids, vocab_size=None):
         with torch.no_grad():
-            logits = self.model(torch.tensor([list(ids)])).logits[0, -1].double()
+            logits = self.model(torch.tensor([list(ids)]), logits_to_keep=1).logits[0, -1].double()
         return torch.log_softmax(logits[:vocab_size] if vocab_size else logits, -1)
 
 

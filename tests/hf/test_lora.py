@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import pytest
 import torch
@@ -33,15 +34,22 @@ def adapters(tmp_path_factory):
     return str(path), out
 
 
-def reference(base_path, adapter_path, ids):
+@functools.cache
+def reference_model(base_path, adapter_path):
+    """The plain transformers model (under peft's adapter), loaded once per base and adapter."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     if adapter_path:
         model = PeftModel.from_pretrained(model, adapter_path)
+    return model.eval()
+
+
+def reference(base_path, adapter_path, ids):
     with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+        logits = reference_model(base_path, adapter_path)(torch.tensor([ids])).logits[0, -1]
+    return torch.log_softmax(logits.double(), -1)
 
 
 def test_switching_adapters(adapters):

@@ -8,6 +8,7 @@ of its own first closes the shared one (``alone``); the next test that asks for 
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -30,7 +31,9 @@ class SharedEngine:
     def __init__(self) -> None:
         self.lm: AsyncLM | None = None
 
-    def get(self) -> AsyncLM:
+    def get(self, config: pytest.Config | None = None) -> AsyncLM:
+        """The engine, started if it is not running (its start counted as the session's, not the test's,
+        by tests/conftest.py's time budget)."""
         if self.lm is not None:
             try:
                 self.lm.ensure_open()
@@ -39,6 +42,7 @@ class SharedEngine:
                 self.lm = None
         if importlib.util.find_spec("vllm") is None:
             pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')")
+        start = time.perf_counter()
         self.lm = load_model_by_name(
             str(tiny_model_dir("llama", **MODEL)),
             backend="vllm",
@@ -50,6 +54,9 @@ class SharedEngine:
                 "engine_opts": ENGINE,
             },
         )
+        budget = config.pluginmanager.get_plugin("genlm-time-budget") if config is not None else None
+        if budget is not None:
+            budget.shared("the in-process vLLM engine", time.perf_counter() - start)
         return self.lm
 
     def close(self) -> None:
@@ -66,9 +73,9 @@ def shared_engine() -> Iterator[SharedEngine]:
 
 
 @pytest.fixture
-def engine(shared_engine: SharedEngine) -> AsyncLM:
+def engine(shared_engine: SharedEngine, request: pytest.FixtureRequest) -> AsyncLM:
     """The shared in-process engine on the tiny Llama (``path``)."""
-    return shared_engine.get()
+    return shared_engine.get(request.config)
 
 
 @pytest.fixture
