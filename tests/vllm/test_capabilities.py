@@ -148,3 +148,62 @@ def test_forks_copy_blocks_where_no_cache_manager_is_bound_to_the_connector(alon
     assert steps and max(steps) > 0, "no step was checked"
     for kept, manager in looked_up:
         assert kept and kept == manager[: len(kept)], (kept, manager)
+
+
+def as_in_vllm_0_26(original):
+    """vLLM's session update as 0.26 has it: the block hashes computed while the discarded sampled token
+    was there are kept (0.32 drops those past the computed tokens)."""
+
+    def update(self, session, update):
+        stale = list(session.block_hashes)
+        original(self, session, update)
+        session.block_hashes[:] = stale
+        session.update_block_hashes()
+
+    return update
+
+
+@pytest.mark.slow
+@pytest.mark.layouts
+@pytest.mark.parametrize("fixed", [True, False], ids=["exact hashes", "as 0.26 left them"])
+def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
+    alone, path, engine_opts, monkeypatch, fixed
+):
+    """A session's chunk of 31 tokens samples a token s at position 31 (completing a block of 32), which
+    genlm discards: the next chunk puts t there. vLLM 0.26 keeps the block's hash of the tokens with s, so
+    the block (holding t's KV) is cached as if it held s, and a context with s at position 31 is served
+    t's KV. With vllm_api.exact_session_block_hashes the row is the uncached one; without it, under 0.26's
+    behaviour, it is not (the check can fail)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from genlm_core import load_model_by_name
+    from genlm_vllm import forks
+
+    current = Scheduler._update_request_as_session
+    monkeypatch.setattr(
+        Scheduler, "_update_request_as_session", as_in_vllm_0_26(getattr(current, "__wrapped__", current))
+    )
+    if not fixed:
+        monkeypatch.setattr(forks, "exact_session_block_hashes", lambda: None)
+    lm = load_model_by_name(
+        path,
+        backend="vllm",
+        llm_opts={"dtype": "float32", "max_model_len": 2048, "timeout": 0.01, "engine_opts": engine_opts},
+    )
+    try:
+        context = list(range(300, 300 + CPU_BLOCK_SIZE - 1))
+        lm.next_token_logprobs_sync(context)
+        scheduler = lm.driver.engine.llm_engine.engine_core.engine_core.scheduler
+        (parked,) = [r for r in scheduler.requests.values() if list(r.all_token_ids[: len(context)]) == context]
+        sampled = int(parked.all_token_ids[len(context)])  # the token vLLM sampled and genlm will discard
+        other = (sampled + 1) % lm.vocab_size
+        lm.next_token_logprobs_sync([*context, other])  # the session goes on with another token there
+        probe = [*context, sampled, 7]
+        row = lm.next_token_logprobs_sync(probe)
+        gap = (row - lm.next_token_logprobs_uncached(probe)).abs().max().item()
+    finally:
+        lm.cleanup()
+    if fixed:
+        assert gap <= 1e-5, gap
+    else:
+        assert gap > 1e-3, f"0.26's stale hash did not show ({gap}): this check would not catch it"

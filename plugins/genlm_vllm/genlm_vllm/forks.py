@@ -40,6 +40,7 @@ from genlm_vllm.vllm_api import (
     SupportsHMA,
     connector_metadata,
     copy_kv_blocks,
+    exact_session_block_hashes,
 )
 from genlm_vllm.wire import FORK
 
@@ -76,6 +77,8 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
         self._copies: list[KVCacheBlockCopy] = []
         self._blocks = ConnectorBlocks()  # every request's block ids, however this vLLM exposes them
         self._kv_caches: list[Any] = []  # worker side
+        if role == KVConnectorRole.SCHEDULER:
+            exact_session_block_hashes()  # this process runs the scheduler: sessions resume with exact hashes
 
     # ---- scheduler side ----
 

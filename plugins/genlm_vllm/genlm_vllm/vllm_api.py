@@ -639,6 +639,35 @@ class ConnectorBlocks:
         return list(self._ids.get(request_id, ()))
 
 
+def exact_session_block_hashes() -> None:
+    """Make vLLM's scheduler (in this process) drop a resumed session's block hashes past its computed
+    tokens and hash those blocks again, once per process.
+
+    A session's chunk samples one token that genlm discards: when the next chunk arrives, vLLM replaces
+    it with the chunk's tokens. vLLM 0.32 on also drops the hashes of blocks that held it; vLLM 0.26 keeps
+    them, so a block that the discarded token completed would enter the prefix cache under the hash of
+    tokens it does not hold, and a later context with that token would be served another token's KV.
+    Applied on every release: where vLLM drops them itself, hashing the same tokens again gives the same
+    hashes. Called where the scheduler lives (the fork connector's scheduler side)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler._update_request_as_session
+    if getattr(original, "genlm_exact_hashes", False):
+        return
+
+    @functools.wraps(original)
+    def update_session(self: Any, session: Any, update: Any) -> None:
+        computed = session.num_computed_tokens
+        original(self, session, update)
+        keep = computed // self.hash_block_size  # blocks wholly made of computed tokens: never changed
+        if len(session.block_hashes) > keep:
+            del session.block_hashes[keep:]
+            session.update_block_hashes()
+
+    update_session.genlm_exact_hashes = True  # type: ignore[attr-defined]
+    setattr(Scheduler, "_update_request_as_session", update_session)  # noqa: B010 (mypy: a method)
+
+
 def connector_metadata(connector: Any) -> Any:
     """This step's metadata bound to a connector on the worker side."""
     return connector._get_connector_metadata()
@@ -868,6 +897,9 @@ INTERFACES: tuple[Interface, ...] = (
     Interface(
         "v1/worker/utils.py", "copy_kv_cache_blocks_inplace", ("kv_caches", "num_blocks", "kv_cache_block_copies")
     ),
+    Interface("v1/core/sched/scheduler.py", "Scheduler._update_request_as_session", ("session", "update")),
+    Interface("v1/core/sched/scheduler.py", "Scheduler", attributes=("hash_block_size",)),
+    Interface("v1/request.py", "Request", attributes=("block_hashes", "update_block_hashes")),
     Interface("distributed/parallel_state.py", "get_tp_group"),
     Interface("distributed/parallel_state.py", "get_pp_group"),
 )
