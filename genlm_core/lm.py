@@ -24,7 +24,8 @@ from genlm_core.cache import OutputCache
 from genlm_core.closing import CLOSED, Closed
 from genlm_core.config import BackendOptions
 from genlm_core.context import Context
-from genlm_core.errors import ClosedError
+from genlm_core.errors import BatcherError, ClosedError
+from genlm_core.inflight import InFlight
 from genlm_core.request import ContextChecker, Request
 from genlm_core.rows import Failed, RowMemory, RowsOut, nan_rows, normalise, rows_block
 from genlm_core.tokenization import Token, Tokenizer, decode_vocabulary
@@ -99,6 +100,9 @@ class AsyncLM(abc.ABC):
             name=type(self).__name__,
             flush=o.flush,
         )
+        #: Streamed requests in flight (backends that :attr:`streams`): equal ones share one
+        #: :meth:`forward_stream`, cancelled when its last caller is.
+        self.in_flight: InFlight[Request, torch.Tensor] = InFlight()
         #: Serialises model work: the batcher's thread, synchronous callers and a backend's own
         #: engine calls (sampling, adapter loading) never overlap. Reentrant.
         self.model_lock = threading.RLock()
@@ -237,6 +241,13 @@ class AsyncLM(abc.ABC):
         if not self.streams:
             return await self.batcher.submit(request, request)
         self.ensure_open()
+        loop = asyncio.get_running_loop()
+        return await self.in_flight.run(
+            request, lambda: asyncio.run_coroutine_threadsafe(self._streamed_row(request), loop)
+        )
+
+    async def _streamed_row(self, request: Request) -> torch.Tensor:
+        """One streamed request's row, checked and cached (once for every caller of the request)."""
         row = self.finish_rows([request], [await self.forward_stream(request)])[0]
         if isinstance(row, Failed):
             raise row.error
@@ -301,11 +312,12 @@ class AsyncLM(abc.ABC):
         return row
 
     def reset_async_queries(self) -> None:
-        """Fail every request still waiting in the batcher (genlm-backend's name): use it after an
-        exception stopped an inference program halfway, so no stale request runs later. The waiters
-        get :class:`~genlm_core.errors.BatcherError`; the model stays usable."""
+        """Fail every request still waiting in the batcher, or streaming (genlm-backend's name): use it
+        after an exception stopped an inference program halfway, so no stale request runs later. The
+        waiters get :class:`~genlm_core.errors.BatcherError`; the model stays usable."""
         self.ensure_open()
         self.batcher.reset()
+        self.in_flight.fail_all(BatcherError("reset_async_queries() dropped this request"))
 
     def clear_kv_cache(self) -> None:
         """Drop the backend's KV / prefix caches but keep the output cache (genlm-backend's name)."""
@@ -490,6 +502,7 @@ class AsyncLM(abc.ABC):
             return CLOSED
         self._closed = True
         self.batcher.close()
+        self.in_flight.fail_all(ClosedError(f"{type(self).__name__} was closed by cleanup() while this request ran"))
         with self.model_lock:
             self.cache.clear()
             self.row_memory.clear()  # the blocks it follows, free or not, are the model's to release

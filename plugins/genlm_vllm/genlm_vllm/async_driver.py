@@ -3,15 +3,15 @@
 There is no batch barrier of ours: vLLM's scheduler batches whatever is in flight at each step. The
 AsyncLLM lives on an event loop of its own in a daemon thread (:class:`EngineThread`), so it works
 whatever loop, thread or ``asyncio.run`` the caller uses, and its output handler never dies with a
-caller's loop. Concurrent requests for the same context share one engine request; a request whose
-every caller was cancelled is aborted in the engine.
+caller's loop. Concurrent requests for the same context share one engine request, and a request whose
+every caller was cancelled is aborted in the engine: core's :class:`~genlm_core.inflight.InFlight`,
+for streamed requests and the synchronous path alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import threading
 import uuid
 from collections.abc import Coroutine, Sequence
@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from genlm_core import BatcherError, Request
+from genlm_core import Request
+from genlm_core.inflight import InFlight
 from genlm_vllm import vllm_api
 from genlm_vllm.driver import EngineDriver
 from genlm_vllm.launch import launch
@@ -54,21 +55,6 @@ class EngineThread:
             self.loop.close()
 
 
-class _Shared:
-    """One engine request and the callers waiting for it."""
-
-    __slots__ = ("failure", "future", "waiters")
-
-    def __init__(self, future: concurrent.futures.Future[torch.Tensor]):
-        self.future = future
-        self.waiters = 0
-        self.failure: BaseException | None = None  # what waiters get when we cancel it ourselves
-
-    def fail(self, error: BaseException) -> None:
-        self.failure = error
-        self.future.cancel()
-
-
 class AsyncLLMDriver(EngineDriver):
     """vLLM's AsyncLLM (``engine="async"``), on an engine thread of its own."""
 
@@ -84,8 +70,8 @@ class AsyncLLMDriver(EngineDriver):
 
         self.rows = open_channel(lay, vllm_api.vocab_size(engine), pop_async=pop)
         self.loras = vllm_api.LoRARequests()
-        self._inflight: dict[Request, _Shared] = {}
-        self._inflight_lock = threading.Lock()
+        #: engine requests in flight, by request (shared by equal ones, aborted with their last caller)
+        self.in_flight: InFlight[Request, torch.Tensor] = InFlight()
 
     @classmethod
     def start(cls, model: str, options: VLLMOptions, lay: Layout) -> AsyncLLMDriver:
@@ -106,30 +92,13 @@ class AsyncLLMDriver(EngineDriver):
     async def stream_logits(self, request: Request) -> torch.Tensor:
         """The request's row from the running engine; concurrent callers of one context share one
         engine request, and it is aborted once every caller has been cancelled."""
-        with self._inflight_lock:
-            shared = self._inflight.get(request)
-            if shared is None:
-                if self.engine is None:
-                    raise RuntimeError("this engine is closed")
-                shared = self._inflight[request] = _Shared(self.engine_thread.submit(self._logits(request)))
-                shared.future.add_done_callback(functools.partial(self._forget, request, shared))
-            shared.waiters += 1
-        try:
-            return await _result_of(shared)
-        except asyncio.CancelledError:
-            with self._inflight_lock:
-                shared.waiters -= 1
-                abandoned = shared.waiters == 0
-                if abandoned and self._inflight.get(request) is shared:
-                    del self._inflight[request]  # a new caller starts afresh, not on this aborted one
-            if abandoned:  # nobody wants it any more: abort it in the engine
-                shared.future.cancel()
-            raise
+        return await self.in_flight.run(request, lambda: self._submit(request))
 
-    def _forget(self, request: Request, shared: _Shared, _: object = None) -> None:
-        with self._inflight_lock:
-            if self._inflight.get(request) is shared:
-                del self._inflight[request]
+    def _submit(self, request: Request) -> concurrent.futures.Future[torch.Tensor]:
+        """Start one request's row on the engine loop (cancelling the future aborts it in the engine)."""
+        if self.engine is None:
+            raise RuntimeError("this engine is closed")
+        return self.engine_thread.submit(self._logits(request))
 
     async def _logits(self, request: Request, cache_salt: str | None = None) -> torch.Tensor:
         """On the engine loop: one request's raw row (``cache_salt``: sharing no cached KV block)."""
@@ -152,10 +121,11 @@ class AsyncLLMDriver(EngineDriver):
         return stack(rows, [request])[0]
 
     def logits(self, requests: Sequence[Request]) -> torch.Tensor:
-        """The synchronous path (``next_token_logprobs_sync`` and friends): stream them all, wait."""
+        """The synchronous path (``next_token_logprobs_sync`` and friends): stream them all, sharing
+        engine requests with those in flight, and wait."""
 
         async def every() -> list[torch.Tensor]:
-            return list(await asyncio.gather(*(self._logits(r) for r in requests)))
+            return list(await asyncio.gather(*(self.stream_logits(r) for r in requests)))
 
         return torch.stack(self.engine_thread.call(every()))
 
@@ -164,10 +134,7 @@ class AsyncLLMDriver(EngineDriver):
         return self.engine_thread.call(self._logits(request, cache_salt=uuid.uuid4().hex))
 
     def fail_in_flight(self, error: BaseException) -> None:
-        with self._inflight_lock:
-            pending, self._inflight = list(self._inflight.values()), {}
-        for shared in pending:
-            shared.fail(error)
+        self.in_flight.fail_all(error)
 
     # ---- sampling and the rest ----------------------------------------------------------------
 
@@ -228,28 +195,3 @@ class AsyncLLMDriver(EngineDriver):
             self.engine_thread.call(shutdown(), timeout=60)
         finally:
             self.engine_thread.stop()
-
-
-def _result_of(shared: _Shared) -> asyncio.Future[torch.Tensor]:
-    """A future on the running loop that follows ``shared.future`` and can be cancelled alone."""
-    loop = asyncio.get_running_loop()
-    mine: asyncio.Future[torch.Tensor] = loop.create_future()
-
-    def copy(done: concurrent.futures.Future[torch.Tensor]) -> None:
-        if mine.done():
-            return
-        if done.cancelled():
-            mine.set_exception(shared.failure or BatcherError("the request was cancelled"))
-        elif done.exception() is not None:
-            mine.set_exception(done.exception())  # type: ignore[arg-type]
-        else:
-            mine.set_result(done.result())
-
-    def follow(done: concurrent.futures.Future[torch.Tensor]) -> None:
-        try:
-            loop.call_soon_threadsafe(copy, done)
-        except RuntimeError:  # the caller's loop is gone
-            pass
-
-    shared.future.add_done_callback(follow)
-    return mine

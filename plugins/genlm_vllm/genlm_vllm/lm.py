@@ -4,7 +4,8 @@ Where a request goes (every step but the two driver calls is core's :class:`~gen
 
     lm.next_token_logprobs(ids)          # core: validate, output cache
       ├─ batching driver: AutoBatcher -> forward_batch -> driver.logits(batch)   (a row may be Failed)
-      └─ streaming driver (AsyncLLM):  forward_stream -> driver.stream_logits(request), no batch barrier
+      └─ streaming driver (AsyncLLM):  InFlight (core: equal requests share one, cancelled with the last caller)
+           -> forward_stream -> driver.stream_logits(request) (the driver's InFlight: engine requests), no batch barrier
            -> rows normalised in the engine (rows_normalised) -> finish_rows (check, cache)
 
 The driver (:mod:`genlm_vllm.driver`) is chosen once, from the options, by
