@@ -38,6 +38,10 @@ def fresh_plugins():
     reset_plugins()
 
 
+_FREEZE_BETWEEN_MODULES = pytest.StashKey[bool]()
+_LAST_MODULE = pytest.StashKey[str]()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What collection imported (torch, transformers, vLLM: about a million objects) is kept out of the
@@ -46,6 +50,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     objects the tests create are still collected as before."""
     gc.collect()
     gc.freeze()
+    # Where no slow test runs, what outlives a test module (the session's fixtures, caches) is frozen too
+    # when the next module starts, so that each full pass walks one module's objects. A session fixture
+    # released later would keep its memory; the slow tier starts and closes whole engines, so not there.
+    session.config.stash[_FREEZE_BETWEEN_MODULES] = not any(item.get_closest_marker("slow") for item in session.items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A new test module (the last one's module fixtures torn down): freeze what is left, collected first."""
+    stash = item.config.stash
+    module = item.nodeid.split("::")[0]
+    if stash.get(_FREEZE_BETWEEN_MODULES, False) and stash.get(_LAST_MODULE, module) != module:
+        gc.collect()
+        gc.freeze()
+    stash[_LAST_MODULE] = module
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
