@@ -20,15 +20,17 @@ def mock():
     lm.cleanup()
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
+# The fast tier runs genlm-hf's bad input on the tiny Llama; GPT-2's architecture is in the full suite.
+@pytest.fixture(scope="module", params=["llama", pytest.param("gpt2", marks=[pytest.mark.slow, pytest.mark.arch])])
 def hf(request):
     lm = load_model_by_name(str(tiny_model_dir(request.param)), backend="hf", llm_opts={"timeout": 0.001})
     yield lm
     lm.cleanup()
 
 
-def test_mock_rejects_generated_bad_input(mock):
-    check_rejects_generated_bad_input(mock, [464, 3139], max_examples=150)
+@pytest.mark.sized(examples=(25, 150))
+def test_mock_rejects_generated_bad_input(mock, examples):
+    check_rejects_generated_bad_input(mock, [464, 3139], max_examples=examples)
 
 
 def test_hf_rejects_fixed_and_generated_bad_input(hf):
@@ -36,6 +38,8 @@ def test_hf_rejects_fixed_and_generated_bad_input(hf):
     check_rejects_generated_bad_input(hf, [1, 2, 3], max_examples=40)
 
 
+@pytest.mark.slow
+@pytest.mark.arch  # GPT-2's learned positions
 def test_hf_context_longer_than_learned_positions_is_refused_before_model_work():
     """GPT-2's position table has n_positions rows: a longer context used to hit a raw IndexError."""
     path = tiny_model_dir("gpt2")

@@ -127,6 +127,8 @@ def test_a_misspelled_backend_gets_did_you_mean(capsys, backend, message):
     assert "pip install" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_each_warning_is_printed_once(tmp_path):
     """A library that prints its own log records (huggingface_hub does) and a warnings.warn: once each."""
     program = """

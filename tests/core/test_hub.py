@@ -198,6 +198,8 @@ def test_load_model_by_name_resolves_before_loading_the_backend(hub_at, fresh_pl
         assert loaded == ["any name"]  # no resolver: the name as given
 
 
+@pytest.mark.slow
+@pytest.mark.process
 def test_the_cli_says_it_in_one_line_fast(tmp_path):
     """The whole command, interpreter start included, against a hub that refuses connections."""
     env = {

@@ -48,6 +48,8 @@ def test_the_installed_transformers_has_every_internal_we_use():
     assert contract.check(installed_sources("transformers")) == []
 
 
+@pytest.mark.slow
+@pytest.mark.releases
 def test_the_newest_transformers_in_our_range_has_every_internal_we_use():
     """Downloaded once with pip download --no-deps (about 12 MB; only its .py files are kept)."""
     from packaging.specifiers import SpecifierSet

@@ -221,6 +221,8 @@ def test_a_head_that_is_not_the_output_embedding_is_detected(tiny):
     assert not lm._has_plain_head()
 
 
+@pytest.mark.slow
+@pytest.mark.breadth
 def test_long_context_over_4000_tokens_in_chunks(tiny):
     path, ref = tiny
     lm = make(path, prefill_chunk_size=1024)

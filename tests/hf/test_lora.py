@@ -122,6 +122,8 @@ def test_seed_lora_methods_and_per_request_lora_name(adapters):
     assert (row.double() - reference(base, paths["b"], ctx)).abs().max() <= TOL
 
 
+@pytest.mark.slow
+@pytest.mark.breadth
 def test_packed_rows_under_adapters(adapters):
     """Sequences sharing new tokens run as one packed row (its head on the wanted positions) under each
     adapter, and under none, once peft wraps the model."""

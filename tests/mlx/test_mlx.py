@@ -88,6 +88,8 @@ def test_uncached_rows_run_the_plain_model(pair):
     assert max_diff([row], [hf.next_token_logprobs_uncached(ctx)]) <= TOL
 
 
+@pytest.mark.slow
+@pytest.mark.breadth
 def test_rope_parameters_block_is_not_ignored():
     import mlx_lm
 
@@ -102,6 +104,8 @@ def test_rope_parameters_block_is_not_ignored():
     assert (naive.double() - want.double()).abs().max().item() > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.breadth
 def test_unplanned_model_type_falls_back_exactly(monkeypatch, caplog):
     monkeypatch.setattr("genlm_mlx.lm.PLANNED_MODEL_TYPES", set())  # as for an architecture not vetted
     path = str(tiny_model_dir("llama"))
@@ -138,6 +142,8 @@ def test_registry_and_options():
         load_model_by_name(path, backend="mlx", llm_opts={"chunk": 3})
 
 
+@pytest.mark.slow
+@pytest.mark.breadth
 def test_sliding_window_model_is_computed_alone_and_exactly(caplog):
     path = str(tiny_model_dir("llama", layer_types=["sliding_attention", "full_attention"], sliding_window=8))
     ours = AsyncMlxLM.from_name(path)

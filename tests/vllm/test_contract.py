@@ -65,6 +65,8 @@ def test_only_the_adapter_imports_vllm():
     assert offenders == []
 
 
+@pytest.mark.slow
+@pytest.mark.releases  # each release downloaded once, about 300 MB: not in the fast tier of a fresh clone
 @pytest.mark.parametrize("version", CUDA_RELEASES)
 def test_each_supported_cuda_release_has_every_interface_we_use(version):
     assert contract.check(contract.release_sources(f"vllm=={version}")) == []
@@ -103,6 +105,8 @@ def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
     assert len(problems.splitlines()) >= 5
 
 
+@pytest.mark.slow
+@pytest.mark.releases
 def test_features_are_read_from_each_release():
     """0.26.0 lacks all three optional parts (and passes with what genlm-vllm uses instead); the vLLM
     installed here (the CPU build 0.32) has them all."""

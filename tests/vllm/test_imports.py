@@ -48,6 +48,7 @@ def run(code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.process
 def test_the_caller_side_imports_no_vllm_and_changes_no_environment():
     got = run(
