@@ -4,7 +4,7 @@ A request flows: the client's batcher -> :meth:`ReplicaDriver.logits` -> :class:
 a replica per request -> each replica's share goes to its :class:`ReplicaEngine` actor (an
 :class:`~genlm_vllm.llm_driver.LLMDriver` inside) at once -> rows come back as raw float32 bytes. A
 replica that fails fails only its own requests, and the error names it; new contexts then go to the
-others.
+others. A request that failed alone inside a replica (its live session's chunk) fails alone here too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from genlm_core import Failed, Request
+from genlm_core import Failed, Request, RowsOut
 from genlm_core.lineage import nearest_prefix
 from genlm_vllm.driver import EngineDriver
 from genlm_vllm.layout import Layout, layout
@@ -104,9 +104,10 @@ class ReplicaEngine:
         out = torch.stack(list(rows)).to(torch.float32).contiguous()
         return out.shape[1], out.numpy().tobytes()
 
-    def logits(self, contexts: list[list[int]], adapters: list[str | None]) -> tuple[int, bytes]:
+    def logits(self, contexts: list[list[int]], adapters: list[str | None]) -> tuple[int, bytes, dict[int, str]]:
+        """The rows of a share as raw float32 bytes, and the requests that failed alone (by index, the error)."""
         with self.driver.lock:
-            return self._raw(self.driver.logits(self._requests(contexts, adapters)))
+            return pack_rows(self.driver.logits(self._requests(contexts, adapters)))
 
     def uncached_logits(self, context: list[int], adapter: str | None) -> tuple[int, bytes]:
         with self.driver.lock:
@@ -234,8 +235,8 @@ class ReplicaDriver(EngineDriver):
         out: list[torch.Tensor | Failed] = [Failed(RuntimeError("unreached"))] * len(requests)
         for replica, idx in shares.items():
             try:
-                width, data = ray.get(pending[replica])
-                rows: list[torch.Tensor | Failed] = list(_rows(width, data, len(idx)))
+                width, data, failed = ray.get(pending[replica])
+                rows = unpack_rows(width, data, failed, len(idx), self._name(replica))
             except Exception as exc:
                 rows = [Failed(self._error(replica, exc))] * len(idx)
             for i, row in zip(idx, rows, strict=True):
@@ -306,3 +307,27 @@ class ReplicaDriver(EngineDriver):
 
 def _rows(width: int, data: bytes, n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.float32).view(n, width)
+
+
+def pack_rows(rows: RowsOut) -> tuple[int, bytes, dict[int, str]]:
+    """A driver's rows as a replica sends them: width, raw float32 bytes (NaN in a failed request's
+    place), and the failed requests' errors by index."""
+    if isinstance(rows, torch.Tensor):
+        out = rows.to(torch.float32).contiguous()
+        return out.shape[1], out.cpu().numpy().tobytes(), {}
+    failed = {i: f"{type(r.error).__name__}: {r.error}" for i, r in enumerate(rows) if isinstance(r, Failed)}
+    good = [r for r in rows if not isinstance(r, Failed)]
+    if not good:
+        return 0, b"", failed
+    nan = torch.full_like(good[0], float("nan"))
+    out = torch.stack([nan if isinstance(r, Failed) else r for r in rows]).to(torch.float32).contiguous()
+    return out.shape[1], out.cpu().numpy().tobytes(), failed
+
+
+def unpack_rows(width: int, data: bytes, failed: dict[int, str], n: int, name: str) -> list[torch.Tensor | Failed]:
+    """:func:`pack_rows`' rows as the client's: a :class:`ReplicaError` naming the replica in each
+    failed request's place."""
+    rows: list[torch.Tensor | Failed] = list(_rows(width, data, n)) if width else [Failed(RuntimeError())] * n
+    for i, error in failed.items():
+        rows[i] = Failed(ReplicaError(f"{name} failed on one request: {error}"))
+    return rows
