@@ -28,7 +28,7 @@ def hf(request):
     lm.cleanup()
 
 
-@pytest.mark.sized(examples=(25, 150))
+@pytest.mark.sized(examples=(10, 150))
 def test_mock_rejects_generated_bad_input(mock, examples):
     check_rejects_generated_bad_input(mock, [464, 3139], max_examples=examples)
 

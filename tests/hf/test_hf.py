@@ -43,13 +43,14 @@ def test_concurrent_ragged_batches(tiny):
     assert lm.forward_calls == 2  # 24 requests, batch size 16
 
 
-def test_deep_prefix_reuse_computes_only_new_tokens(tiny):
+@pytest.mark.sized(steps=(6, 20))
+def test_deep_prefix_reuse_computes_only_new_tokens(tiny, steps):
     path, ref = tiny
     lm = make(path)
     prompt = list(range(1000, 1400))  # 400 tokens
     lm.next_token_logprobs_sync(prompt)
     ctx = list(prompt)
-    for step in range(20):
+    for step in range(steps):
         ctx.append(step * 7 + 3)
         before = lm.tokens_computed
         row = lm.next_token_logprobs_sync(ctx)

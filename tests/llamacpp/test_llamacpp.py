@@ -164,14 +164,15 @@ def held_sequences(lm) -> int:
         ),
     ],
 )
-def test_the_shared_particle_check_of_core_passes_on_llama_cpp(tiny_gpt2, opts):
+@pytest.mark.sized(steps=(20, 40))
+def test_the_shared_particle_check_of_core_passes_on_llama_cpp(tiny_gpt2, opts, steps):
     """genlm_core.testing.live: the randomised program every live-sequence engine passes (rows equal the
     uncached rows, every placement ran, no sequence left once released)."""
     from genlm_core.testing.live import check_live_sequences
 
     _, gguf = tiny_gpt2
     lm = llamacpp(gguf, **opts)
-    stats = check_live_sequences(lm, lm.sequences, in_use=lambda: held_sequences(lm), steps=40)
+    stats = check_live_sequences(lm, lm.sequences, in_use=lambda: held_sequences(lm), steps=steps)
     assert stats.copied > 0  # a sibling in a later batch, a particle that went back, a repeated context
     if opts.get("n_seq_max"):
         assert stats.evicted > 0
