@@ -155,17 +155,7 @@ def held_sequences(lm) -> int:
     return n - len(set(free)) + sum(lm.engine.sequence_length(s) > 0 for s in free)
 
 
-@pytest.mark.parametrize(
-    "opts",
-    [
-        {"batch_size": 16},
-        pytest.param(  # evictions: fewer sequences than particles
-            {"batch_size": 4, "n_seq_max": 6, "live": {"lookback": 2}}, marks=[pytest.mark.slow, pytest.mark.breadth]
-        ),
-    ],
-)
-@pytest.mark.sized(steps=(20, 40))
-def test_the_shared_particle_check_of_core_passes_on_llama_cpp(tiny_gpt2, opts, steps):
+def run_shared_check(tiny_gpt2, opts, steps):
     """genlm_core.testing.live: the randomised program every live-sequence engine passes (rows equal the
     uncached rows, every placement ran, no sequence left once released)."""
     from genlm_core.testing.live import check_live_sequences
@@ -177,6 +167,19 @@ def test_the_shared_particle_check_of_core_passes_on_llama_cpp(tiny_gpt2, opts, 
     if opts.get("n_seq_max"):
         assert stats.evicted > 0
     lm.cleanup()
+
+
+@pytest.mark.sized(steps=(20, 40))
+def test_the_shared_particle_check_of_core_passes_on_llama_cpp(tiny_gpt2, steps):
+    run_shared_check(tiny_gpt2, {"batch_size": 16}, steps)
+
+
+@pytest.mark.slow
+@pytest.mark.breadth
+def test_the_shared_particle_check_passes_with_evictions_on_llama_cpp(tiny_gpt2):
+    """Fewer sequences than particles: evictions. 40 steps (in 20, with batches of 4 on 6 sequences, no
+    particle had a sibling in its batch, so forks never ran)."""
+    run_shared_check(tiny_gpt2, {"batch_size": 4, "n_seq_max": 6, "live": {"lookback": 2}}, 40)
 
 
 @pytest.mark.slow
@@ -204,7 +207,7 @@ def test_a_full_kv_cache_or_too_few_sequences_give_fresh_rows_never_wrong_ones(t
     few.cleanup()
     off = llamacpp(gguf, live={"enabled": False})
     served = asyncio.run(particle_program(off, particles=6, steps=10, seed=4))
-    assert off.sequences.stats.continued == 0 and len(off.sequences.live) == 0
+    assert off.sequences.stats.continued == 0 and len(off.sequences) == 0
     assert_rows_match(served, ref)
     off.cleanup()
     ref.cleanup()
