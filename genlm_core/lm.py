@@ -217,10 +217,10 @@ class AsyncLM(abc.ABC):
         self.ensure_open()
         if type(token_ids) is Context and token_ids.vocab_size is not None and token_ids.vocab_size <= self.vocab_size:
             return token_ids
-        if isinstance(token_ids, (torch.Tensor, np.ndarray)) or len(token_ids):
-            ids = self.contexts.request(token_ids, None).context
-        else:
+        if isinstance(token_ids, (list, tuple, Context)) and not token_ids:
             ids = Context((), self.vocab_size)
+        else:  # checked as any request's ids (TypeError for a set, a str, an int, ...)
+            ids = self.contexts.request(token_ids, None).context
         if self.context_limit is not None and len(ids) > self.context_limit:
             raise ValueError(
                 f"token_ids has {len(ids)} tokens, more than this model's limit of {self.context_limit} positions"

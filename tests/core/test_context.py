@@ -153,6 +153,10 @@ def test_a_model_takes_its_own_handles_without_reading_them_and_checks_others_wh
         lm.request(lm.context())
     with pytest.raises(ValueError, match="outside the vocabulary"):
         lm.context([lm.vocab_size])
+    for bad in (5, {1, 2}, "ab", [1.5], [True]):
+        with pytest.raises(TypeError, match="token_ids"):
+            lm.context(bad)
+    assert len(lm.context()) == len(lm.context([])) == 0 and lm.context((1, 2)) == [1, 2]
 
 
 def test_handles_lists_tuples_and_arrays_of_one_context_share_rows_and_cache_entries(lm):
