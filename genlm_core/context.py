@@ -197,10 +197,8 @@ class Context(Sequence[int]):
         if self._flat is not None:
             flat = self._flat
             return [flat[i] for i in positions]
-        chunks, tail = self._chunks, self._tail
-        assert chunks is not None and tail is not None
-        full = len(chunks) * CHUNK
-        return [tail[i - full] if i >= full else chunks[i // CHUNK][i % CHUNK] for i in positions]
+        assert self._chunks is not None and self._tail is not None
+        return _read(self._chunks, self._tail, positions)
 
     def tolist(self) -> list[int]:
         """The ids as a new list."""
@@ -292,6 +290,17 @@ class Context(Sequence[int]):
         return _make(chunks, tail, n, self._bound, spread, weakref.ref(self))
 
 
+def as_context(tokens: Sequence[int]) -> Context:
+    """``tokens`` as a context: a handle as it is, anything else as a tuple wrapped without a check."""
+    return tokens if type(tokens) is Context else Context.trusted(tuple(tokens))
+
+
+def _read(chunks: tuple[tuple[int, ...], ...], tail: tuple[int, ...], positions: Iterable[int]) -> list[int]:
+    """The ids at ``positions`` of the chunked form ``chunks`` + ``tail``."""
+    full = len(chunks) * CHUNK
+    return [tail[i - full] if i >= full else chunks[i // CHUNK][i % CHUNK] for i in positions]
+
+
 def _check_bound(vocab_size: Any) -> int:
     if not is_int(vocab_size) or int(vocab_size) < 1:
         raise TypeError(f"vocab_size must be a positive integer, got {_show(vocab_size)}")
@@ -320,10 +329,7 @@ def _make(
     else:
         last = chunks[-1][len(tail) - HASH_SAMPLE :] + tail
     if spread is None:
-        full = len(chunks) * CHUNK
-        spread = tuple(
-            tail[i - full] if i >= full else chunks[i // CHUNK][i % CHUNK] for i in range(0, n, n // HASH_SAMPLE + 1)
-        )
+        spread = tuple(_read(chunks, tail, range(0, n, n // HASH_SAMPLE + 1)))
     ctx = object.__new__(Context)
     ctx._n, ctx._bound, ctx._flat, ctx._chunks, ctx._tail = n, bound, None, chunks, tail
     ctx._spread, ctx._parent = spread, parent

@@ -214,18 +214,10 @@ class AsyncLM(abc.ABC):
         of a handle reads none of its ids again, and finds the context it extends directly.
 
         Raises TypeError/ValueError as :meth:`request` does (an empty context is allowed here)."""
-        self.ensure_open()
-        if type(token_ids) is Context and token_ids.vocab_size is not None and token_ids.vocab_size <= self.vocab_size:
-            return token_ids
         if isinstance(token_ids, (list, tuple, Context)) and not token_ids:
-            ids = Context((), self.vocab_size)
-        else:  # checked as any request's ids (TypeError for a set, a str, an int, ...)
-            ids = self.contexts.request(token_ids, None).context
-        if self.context_limit is not None and len(ids) > self.context_limit:
-            raise ValueError(
-                f"token_ids has {len(ids)} tokens, more than this model's limit of {self.context_limit} positions"
-            )
-        return ids
+            self.ensure_open()
+            return Context((), self.vocab_size)
+        return self.request(token_ids).context  # checked as any request's ids (a handle of ours: as it is)
 
     async def next_token_logprobs(self, token_ids: TokenIds, lora_name: str | None = None) -> torch.Tensor:
         """Log-probabilities of the next token after ``token_ids``, batched with concurrent calls."""

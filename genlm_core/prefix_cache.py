@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from genlm_core.context import Context
+from genlm_core.context import Context, as_context
 from genlm_core.validation import check_int
 
 V = TypeVar("V")
@@ -118,8 +118,3 @@ class PrefixCache(Generic[V]):
             self._blocks.clear()
             self._newest_block = None
             self.nbytes = 0
-
-
-def as_context(tokens: Sequence[int]) -> Context:
-    """``tokens`` as a context: a handle as it is, anything else as a tuple wrapped without a check."""
-    return tokens if type(tokens) is Context else Context.trusted(tuple(tokens))

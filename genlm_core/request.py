@@ -17,7 +17,7 @@ import sys
 import threading
 from typing import Any
 
-from genlm_core.context import HASH_SAMPLE, Context, sample_hash
+from genlm_core.context import HASH_SAMPLE, Context, as_context, sample_hash
 from genlm_core.validation import check_token_ids
 
 __all__ = ["HASH_SAMPLE", "ContextChecker", "Request", "context_hash", "untrack_ids"]
@@ -42,7 +42,7 @@ class Request:
 
     def __init__(self, token_ids: tuple[int, ...] | Context, adapter: str | None = None):
         """``token_ids``: a context, or a tuple of ids already checked by the caller (it is not read)."""
-        context = token_ids if type(token_ids) is Context else Context.trusted(tuple(token_ids))
+        context = as_context(token_ids)
         object.__setattr__(self, "context", context)
         object.__setattr__(self, "adapter", adapter)
         object.__setattr__(self, "_hash", context._hash if adapter is None else hash((context._hash, adapter)))
