@@ -247,22 +247,12 @@ class AutoBatcher(Generic[T, R]):
     async def submit(self, key: Hashable, item: T) -> R:
         """Queue ``item`` under ``key`` (see the class docstring for what a key must be) and wait
         for its result."""
-        self.ensure_open()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._bind(loop)
+        loop = self._ready()
         self.stats.submitted += 1
         job = self._pending.get(key) or self._running.get(key)
         if job is None:
-            job = _Job(key, item, loop.time())
-            self._pending[key] = job
-            if self._worker is None:
-                self._worker = loop.create_task(self._work(), name=f"genlm-{self.name}")
-            elif len(self._pending) >= self.batch_size:
-                self._wake()
+            self._pending[key] = job = _Job(key, item, loop.time())
+            self._kick(loop)
         waiter: asyncio.Future[R] = loop.create_future()
         job.waiters.append(waiter)
         try:
@@ -270,8 +260,7 @@ class AutoBatcher(Generic[T, R]):
         except asyncio.CancelledError:
             if waiter.cancelled():
                 job.waiters.remove(waiter)
-                if not job.waiters and self._pending.get(key) is job:
-                    del self._pending[key]
+                self._drop_unwaited(job)
             raise
 
     async def submit_many(self, keys: Sequence[Hashable], items: Sequence[T]) -> list[R]:
@@ -279,17 +268,12 @@ class AutoBatcher(Generic[T, R]):
         results, in order, through one future: a program's whole step is one submission. Equal keys
         are computed once, here and across callers. The first failure of an item fails the call;
         cancelling it drops the items nobody else waits for."""
-        self.ensure_open()
         if len(keys) != len(items):
+            self.ensure_open()
             raise ValueError(f"{self.name}: {len(keys)} keys for {len(items)} items")
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
+        loop = self._ready()
         if not keys:
             return []
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
-            self._bind(loop)
         self.stats.submitted += len(keys)
         group = _Group(loop.create_future(), len(keys))
         pending, running = self._pending, self._running
@@ -301,19 +285,38 @@ class AutoBatcher(Generic[T, R]):
                 pending[key] = job = _Job(key, items[i], now)
             job.waiters.append((group, i))
             jobs.append(job)
-        if self._worker is None:
-            self._worker = loop.create_task(self._work(), name=f"genlm-{self.name}")
-        elif len(pending) >= self.batch_size:
-            self._wake()
+        self._kick(loop)
         try:
             return await group.future
         except asyncio.CancelledError:
             if group.future.cancelled():
                 for job in jobs:
                     job.waiters = [w for w in job.waiters if type(w) is not tuple or w[0] is not group]
-                    if not job.waiters and pending.get(job.key) is job:
-                        del pending[job.key]
+                    self._drop_unwaited(job)
             raise
+
+    def _ready(self) -> asyncio.AbstractEventLoop:
+        """The running event loop, this batcher bound to it; raises if closed, or the worker's death once."""
+        self.ensure_open()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._bind(loop)
+        return loop
+
+    def _kick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """New requests were queued: start the worker, or wake it when a batch is full."""
+        if self._worker is None:
+            self._worker = loop.create_task(self._work(), name=f"genlm-{self.name}")
+        elif len(self._pending) >= self.batch_size:
+            self._wake()
+
+    def _drop_unwaited(self, job: _Job) -> None:
+        """Forget a queued request nobody waits for any more (one already running finishes)."""
+        if not job.waiters and self._pending.get(job.key) is job:
+            del self._pending[job.key]
 
     def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
         old = self._loop
