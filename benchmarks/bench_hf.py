@@ -8,6 +8,8 @@ GPT-2 tokenizer) built offline.
 
     python benchmarks/bench_hf.py                 # N=32,T=32 with seed; N=128; 1,000-token shared prompt
     python benchmarks/bench_hf.py --quick         # N=32,T=32 only, no seed
+    python benchmarks/bench_hf.py --step          # HF's bare decode step vs genlm-hf's model call and
+                                                  # SMC step, interleaved (hf_step.py; --n, --prompts, --rounds)
 """
 
 from __future__ import annotations
@@ -90,11 +92,47 @@ def ours(lm, prompt: list[int], n: int, steps: int) -> float:
     return time.perf_counter() - t0
 
 
+def step_mode(args: argparse.Namespace) -> None:
+    """HF's bare decode step against genlm-hf's model call and whole SMC step (``hf_step.py``), each cell
+    interleaved round by round, on this script's model."""
+    import hf_step
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from genlm_hf import AsyncTransformer
+    from genlm_hf.options import HFOptions
+
+    path = str(tiny_model_dir(**MODEL))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ns = [int(x) for x in args.n.split(",")]
+    lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), HFOptions(batch_size=max(ns), timeout=0))
+    text = "It was a bright cold day in April, and the clocks were striking thirteen. "
+    rows = []
+    for n in ns:
+        lm.batcher.batch_size = n
+        for length in [int(x) for x in args.prompts.split(",")]:
+            prompt = (list(lm.tokenizer.encode(text)) * (length // 10 + 1))[:length]
+            cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, args.rounds))
+            rows.append(hf_step.table_row("float32 Llama", n, length, hf_step.summary(cell)))
+    print(
+        f"model: float32 Llama, {params(model) / 1e6:.1f}M parameters; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; {args.rounds} interleaved rounds after 2; times: median (min-max)"
+    )
+    print(table(hf_step.HEADER, rows))
+    lm.cleanup()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-seed", action="store_true")
+    ap.add_argument("--step", action="store_true", help="bare HF decode step vs genlm-hf's model call (hf_step.py)")
+    ap.add_argument("--n", default="8,32", help="--step: particles (default 8,32)")
+    ap.add_argument("--prompts", default="24,200", help="--step: prompt lengths (default 24,200)")
+    ap.add_argument("--rounds", type=int, default=15, help="--step: counted rounds (default 15)")
     args = ap.parse_args()
+    if args.step:
+        step_mode(args)
+        return
 
     from transformers import AutoModelForCausalLM
 

@@ -17,6 +17,16 @@ and the rest go on; the exit status is 1 when any part failed. Parts, in the ord
   ``eager`` on the same particle program (``examples/smc.py``), time per step of each.
 - ``overhead``: ``benchmarks/bench_overhead.py`` with rows on the device (genlm's own host cost per
   step, with a zero-cost engine, against a log_softmax floor).
+- ``step:1b``, ``step:8b`` (only with ``--only step``): ``hf_step.py``'s cells on random-weight bf16
+  Llama shapes built on the device: HF's bare decode step (``model(input_ids=[N, 1],
+  past_key_values=DynamicCache)``), genlm-hf's model call inside an SMC step (``run_step``, between
+  device syncs) and the whole SMC step, interleaved, N = 32, 256 and 1,024, prompts of 24 and 2,000
+  tokens; ratios against the issue's targets (1.05x, 1.15x). A cell that does not fit in the device's
+  free memory is skipped and says what it needs.
+- ``profile:8b`` (only with ``--only profile``): torch.profiler (CPU and CUDA) on the bare step, on
+  genlm-hf's model call (one SMC step's ``run_step`` replayed) and on the whole SMC step at N = 256:
+  the top ops and kernels by self time side by side, the ops only one of them runs; the full tables
+  go to ``OUT/profile/``.
 
 The ``vllm`` parts run apart (``--only vllm``: they need vLLM, which the machine lacks, carried by
 ``scripts/vllm_payload.py``; see docs/gpu.md), within the same 8-minute budget:
@@ -92,8 +102,13 @@ PARTS: dict[str, tuple[float, float]] = {
     "smc:1b": (90, 60),
     "smc:8b": (150, 60),
     "overhead": (150, 90),
+    "step:1b": (150, 60),
+    "step:8b": (170, 60),
+    "profile:8b": (110, 60),
 }
-DRY_PARTS = ("rows", "trie", "smc:tiny", "overhead")
+DRY_PARTS = ("rows", "trie", "smc:tiny", "overhead", "step:tiny", "profile:tiny")
+#: Parts the GPU machine runs only when ``--only`` names them (a dry run runs them all).
+ASKED_FOR = ("step:", "profile:")
 #: The vLLM parts (``--only vllm``), with their guards, on the GPU machine and on a dry run.
 VLLM_PARTS: dict[str, tuple[float, float]] = {
     "vllm:rows": (150, 240),
@@ -110,7 +125,15 @@ SECTIONS = {
     "flush": "5. flush policies (idle, eager) on the plain particle program",
     "vllm": "6. genlm-vllm rows vs genlm-hf and vLLM's own logprobs; live sessions",
     "vllm-smc": "7. bench_smc.py's vLLM rows vs vLLM's own generate(n=N)",
+    "step": "8. genlm-hf's model call and SMC step vs HF's bare decode step",
+    "profile": "9. torch.profiler: HF's bare decode step vs genlm-hf's model call",
 }
+#: The step parts' grid on the GPU machine (N, prompt lengths, counted rounds) and on a dry run.
+STEP_GRID = {"n": [32, 256, 1024], "prompts": [24, 2000], "rounds": 7}
+STEP_DRY_GRID = {"n": [4, 8], "prompts": [24, 100], "rounds": 2}
+#: The profile parts' cells (N, prompt lengths, profiled steps) on the GPU machine and on a dry run.
+PROFILE_GRID = {"n": [256], "prompts": [24, 500], "steps": 5}
+PROFILE_DRY_GRID = {"n": [8], "prompts": [24], "steps": 2}
 #: bench_overhead.py's grid on the GPU machine and on a dry run.
 OVERHEAD_ARGS = ["--n", "32,256,1024", "--context", "24,8000", "--vocab", "50257,128256", "--steps", "12"]
 OVERHEAD_DRY_ARGS = ["--n", "8", "--context", "24,200", "--vocab", "50257", "--steps", "3", "--breakdown-rounds", "1"]
@@ -482,6 +505,118 @@ def part_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
         flm.cleanup()
 
 
+# ---- 8, 9. genlm-hf's model call and SMC step against HF's bare decode step; the profiler --------
+
+
+def grid(args: argparse.Namespace, gpu: dict[str, Any], dry: dict[str, Any]) -> dict[str, Any]:
+    """A part's grid: ``gpu`` or, on a dry run, ``dry``; each ``--step-*`` argument given overrides."""
+    out = dict(dry if args.dry_run else gpu)
+    for key in out:
+        given = getattr(args, f"step_{key}", None)
+        if given:
+            out[key] = [int(x) for x in given.split(",")] if isinstance(out[key], list) else int(given)
+    return out
+
+
+def fits(part: Part, hf_step: Any, model: Any, n: int, tokens: int, vocab: int, device: Any) -> bool:
+    """Whether a cell of ``n`` rows of ``tokens`` fits in the device's free memory (always, on the CPU);
+    a cell that does not is noted with what it needs."""
+    import torch
+
+    if device.type != "cuda":
+        return True
+    free = torch.cuda.mem_get_info(device)[0]
+    need = hf_step.memory_needed(model, n, tokens, vocab) + 4 * 2**30  # genlm's older stored blocks
+    if need <= 0.95 * free:
+        return True
+    part.note(f"N={n}, {tokens} tokens skipped: needs about {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free")
+    return False
+
+
+def part_step(part: Part, args: argparse.Namespace, shape: str) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench_smc
+    import hf_step
+
+    device = torch.device(args.device)
+    g = grid(args, STEP_GRID, STEP_DRY_GRID)
+    warmup = 2
+    tok = gpt2_tokenizer()
+    t0 = time.perf_counter()
+    model = build_llama(shape, tok, str(device), torch.bfloat16)
+    sync(device)
+    name = f"{SHAPE_NAMES[shape]} bf16"
+    part.note(f"{name}: built on {device} in {time.perf_counter() - t0:.1f} s")
+    lm = hf_lm(model, tok, batch_size=max(g["n"]), timeout=0)  # one batch per SMC step
+    rows: list[list[str]] = []
+    try:
+        for n in g["n"]:
+            lm.batcher.batch_size = n
+            for length in g["prompts"]:
+                prompt = bench_smc.prompt_of(lm, length)
+                tokens = length + 2 * (warmup + g["rounds"]) + 2
+                if not fits(part, hf_step, model, n, tokens, len(tok), device):
+                    rows.append([name, str(n), str(length), "skipped: memory", *[""] * (len(hf_step.HEADER) - 4)])
+                    continue
+                cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, g["rounds"], warmup))
+                s = hf_step.summary(cell)
+                rows.append(hf_step.table_row(name, n, length, s))
+                part.numbers[f"N{n} p{length}"] = {**s, "times": cell["times"]}
+                part.save()
+                lm.clear_cache()
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        title = f"{g['rounds']} interleaved rounds (bare, SMC step timed inside, SMC step) after {warmup}, on {device}"
+        if rows:
+            part.table("step", title, hf_step.HEADER, rows)
+        lm.cleanup()
+
+
+def part_profile(part: Part, args: argparse.Namespace, shape: str) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import bench_smc
+    import hf_step
+
+    device = torch.device(args.device)
+    g = grid(args, PROFILE_GRID, PROFILE_DRY_GRID)
+    tok = gpt2_tokenizer()
+    model = build_llama(shape, tok, str(device), torch.bfloat16)
+    name = f"{SHAPE_NAMES[shape]} bf16"
+    lm = hf_lm(model, tok, batch_size=max(g["n"]), timeout=0)
+    where = Path(args.result).parent.parent / "profile" if args.result else None
+    try:
+        for n in g["n"]:
+            lm.batcher.batch_size = n
+            for length in g["prompts"]:
+                if not fits(part, hf_step, model, n, length + 10, len(tok), device):
+                    continue
+                prompt = bench_smc.prompt_of(lm, length)
+                found = asyncio.run(hf_step.profile_cell(model, lm, prompt, n, g["steps"], where))
+                step = found["step"]
+                what = f"{name}, N={n}, prompt {length}: {g['steps']} steps each, per step; genlm's step {step}"
+                part.table("profile", f"{what}: top ops by self time", hf_step.OPS_HEADER, found["ranked"])
+                part.table("profile", f"{what}: ops run a different number of times", hf_step.OPS_HEADER,
+                           found["differ"])  # fmt: skip
+                totals = [
+                    [k, f"{v['calls']:.0f}", f"{v['cpu_us'] / 1e3:.2f} ms", f"{v['device_us'] / 1e3:.2f} ms"]
+                    for k, v in found["totals"].items()
+                ]
+                part.table("profile", f"{what}: totals", ["profiled", "ops/step", "self CPU", "self device"], totals)
+                part.numbers[f"N{n} p{length}"] = {"totals": found["totals"], "files": found["files"], "step": step}
+                if found["files"]:
+                    part.note(f"full tables: {', '.join(found['files'])}")
+                lm.clear_cache()
+                gc.collect()
+    finally:
+        lm.cleanup()
+
+
 # ---- 6, 7. genlm-vllm ----------------------------------------------------------------------------
 
 
@@ -673,6 +808,10 @@ def run_part(args: argparse.Namespace) -> int:
             part_smc(part, args, args.part.split(":", 1)[1])
         elif args.part == "vllm:rows":
             part_vllm_rows(part, args)
+        elif args.part.startswith("step:"):
+            part_step(part, args, args.part.split(":", 1)[1])
+        elif args.part.startswith("profile:"):
+            part_profile(part, args, args.part.split(":", 1)[1])
         elif args.part.startswith("vllm:smc:"):
             part_vllm_smc(part, args, args.part.split(":", 2)[2])
         else:
@@ -803,6 +942,9 @@ def main() -> int:
     ap.add_argument("--vllm-steps", type=int, default=24, help="SMC steps for the vllm:smc parts (default 24)")
     ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds after a warm-up, vllm:smc parts")
     ap.add_argument("--models", default=None, help="where model folders are written (default: OUT/models)")
+    ap.add_argument("--step-n", default=None, help="N for the step and profile parts, e.g. 32,256")
+    ap.add_argument("--step-prompts", default=None, help="prompt lengths for the step and profile parts")
+    ap.add_argument("--step-rounds", default=None, help="counted rounds of the step parts (default 7)")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -819,6 +961,8 @@ def main() -> int:
         print("no CUDA device here: run `bash scripts/gpu_check.sh --dry-run` on a machine without one", flush=True)
         return 2
     parts = list(DRY_PARTS if args.dry_run else PARTS)
+    if not args.only and not args.dry_run:  # issue 46's parts run when asked for (--only step,profile)
+        parts = [p for p in parts if not p.startswith(ASKED_FOR)]
     if args.only:
         wanted = args.only.split(",")
         parts += list(VLLM_DRY_PARTS if args.dry_run else VLLM_PARTS)  # only when asked for
@@ -833,6 +977,9 @@ def main() -> int:
     passthrough = ["--device", args.device, "--rows-tol", repr(args.rows_tol), "--n", str(args.n)]
     passthrough += ["--steps", str(args.steps), "--vllm-steps", str(args.vllm_steps), "--rounds", str(args.rounds)]
     passthrough += ["--vllm-tol", repr(args.vllm_tol)]
+    for flag in ("step_n", "step_prompts", "step_rounds"):
+        if getattr(args, flag):
+            passthrough += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     passthrough += ["--models", models] + (["--dry-run"] if args.dry_run else [])
     deadline = time.monotonic() + args.budget
     results: list[dict[str, Any]] = []

@@ -5,6 +5,8 @@
 #                                         # tokenizer into .gpucheck/ (both git-ignored; carry both)
 #   bash scripts/gpu_check.sh             # on the GPU machine (no network): every part, on CUDA
 #   bash scripts/gpu_check.sh --dry-run   # on a CPU: the same parts with tiny shapes (tests/test_gpu_check.py)
+#   bash scripts/gpu_check.sh --only rows,step,profile --budget 540   # issue 46: genlm-hf's model call and SMC
+#                                         # step against HF's bare decode step, and the profiler (about 5 minutes)
 #
 # genlm-vllm's parts (--only vllm) need vLLM, which the GPU machine lacks; it is carried in parts
 # (scripts/vllm_payload.py, docs/gpu.md):

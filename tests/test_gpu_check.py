@@ -4,6 +4,7 @@ tolerance fails it; and its model shapes are the real models'."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -37,7 +38,8 @@ def test_the_dry_run_passes_with_every_part_and_section(tmp_path):
     parts = {p["part"]: p for p in summary["parts"]}
     assert list(parts) == list(gpu_check.DRY_PARTS)
     assert all(p["ok"] and not p["failures"] for p in parts.values())
-    assert {t["section"] for p in parts.values() for t in p.get("tables", [])} == {"rows", "trie", "smc", "flush"}
+    sections = {t["section"] for p in parts.values() for t in p.get("tables", [])}
+    assert sections == {"rows", "trie", "smc", "flush", "step", "profile"}
     rows = parts["rows"]["numbers"]
     assert rows["float32"]["max_abs_diff"] <= 1e-3 and rows["float32"]["row_devices"] == ["cpu"]
     assert rows["bfloat16"]["max_abs_diff"] <= rows["bfloat16"]["tolerance"]
@@ -48,6 +50,56 @@ def test_the_dry_run_passes_with_every_part_and_section(tmp_path):
         assert f"== {section}" in done.stdout or section.startswith("3.") or key.startswith("vllm")
         assert f"## {section}" in (tmp_path / "gpu_check.md").read_text()
     assert "all parts passed" in done.stdout
+
+
+def step_args(tmp_path: Path, **more: str) -> argparse.Namespace:
+    """A dry run's arguments for one step or profile part run in this process, at the smallest size."""
+    args = {"dry_run": True, "device": "cpu", "step_rounds": None, "result": str(tmp_path / "logs" / "part.json")}
+    return argparse.Namespace(**{**args, **more})
+
+
+def test_the_step_part_times_genlms_model_call_and_smc_step_beside_the_bare_step(tmp_path):
+    """Each cell: as many bare steps, model calls and SMC steps as rounds; every particle a row of its own
+    with one new token per SMC step (KV reuse); the model call inside the backend's step inside the SMC
+    step; the ratios are the medians of each round's."""
+    part = gpu_check.Part("step:tiny")
+    gpu_check.part_step(part, step_args(tmp_path, step_n="4", step_prompts="24", step_rounds="3"), "tiny")
+    assert part.failures == []
+    (cell,) = part.numbers.values()
+    times = cell["times"]
+    assert {len(v) for v in times.values()} == {3} and all(t > 0 for t in times["bare"] + times["model call"])
+    assert cell["rows"] == 4 and cell["computed"] == 4
+    for r in range(3):
+        assert times["model call"][r] <= times["forward_batch"][r] <= times["SMC step"][r]
+    ratios = sorted(b / a for a, b in zip(times["bare"], times["model call"]))
+    assert cell["model_call_ratio"] == pytest.approx(ratios[1])
+    (table,) = part.tables
+    assert table["section"] == "step" and [r[1:3] for r in table["rows"]] == [["4", "24"]]
+
+
+def test_the_profile_part_sets_the_bare_step_beside_genlms_model_call(tmp_path):
+    """The same model's layers run in both (as many matrix products and attention calls per step); the
+    profiled model call is one SMC step's (4 rows of one new token after the 24-token prompt and one
+    sampled token); the full tables are written."""
+    part = gpu_check.Part("profile:tiny")
+    gpu_check.part_profile(part, step_args(tmp_path, step_n="4", step_prompts="24"), "tiny")
+    assert part.failures == []
+    (cell,) = part.numbers.values()
+    assert cell["step"] == {"rows": 4, "width": 1, "past": 25}
+    assert sorted(Path(f).name for f in cell["files"]) == [
+        "profile-N4-SMC-step.txt",
+        "profile-N4-bare-step.txt",
+        "profile-N4-model-call.txt",
+    ]
+    ranked = {row[0]: row for row in part.tables[0]["rows"]}
+    for op in ("aten::linear", "aten::scaled_dot_product_attention"):
+        bare_calls, genlm_calls = float(ranked[op][1]), float(ranked[op][4])
+        assert bare_calls == genlm_calls > 0, ranked[op]
+    assert [t["title"].rsplit(": ", 1)[1] for t in part.tables] == [
+        "top ops by self time",
+        "ops run a different number of times",
+        "totals",
+    ]
 
 
 @pytest.mark.slow
