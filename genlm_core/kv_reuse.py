@@ -214,6 +214,23 @@ class Step:
     def width(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def plain(self) -> bool:
+        """Whether this step is a plain decode or prefill: every key a real token (no pad, no hole),
+        causal attention, each row's new tokens at positions ``past_length, past_length + 1, ...``. A
+        model given no mask and no positions assumes exactly this (HF's own decode step), so a backend
+        may leave both out (an SMC step: every particle one token after a past of the same length)."""
+        if self.sees is not None or not self.keys.all():
+            return False
+        return bool((self.positions == np.arange(self.past_length, self.past_length + self.width)).all())
+
+    def outputs_last_in_order(self) -> bool:
+        """Whether the logits wanted are each row's last position, row by row in order (the model's
+        last-position logits as they are, with no index)."""
+        last = self.width - 1
+        return len(self.outputs) == len(self.input_ids) and all(
+            b == i and c == last for i, (b, c) in enumerate(self.outputs)
+        )
+
     def attention(self) -> np.ndarray:
         """``sees``, or the causal mask over ``keys``, as one bool ``[rows, width, past_length + width]``;
         a pad sees itself (a query that sees nothing would give NaN)."""

@@ -116,6 +116,41 @@ def test_resampled_particles_reuse_their_rows(tiny):
     assert lm.tokens_computed - before == 5  # distinct new contexts, one token each
 
 
+def test_an_smc_step_runs_as_hf_s_own_decode_step(tiny, monkeypatch):
+    """Particles of one prompt, each extended by a token a step (an SMC step; a resampled one gathers its
+    past): the model gets no mask and no positions, as in HF's own decode, and the rows are exact. A
+    ragged batch (pads, and rows whose past is shorter than the batch's) still gets both. (Merging the
+    rows' pasts into one row, which the particles' shared prompt would choose, is turned off here.)"""
+    import genlm_core.kv_reuse
+
+    monkeypatch.setattr(genlm_core.kv_reuse, "plan_merged", lambda rows, outputs=None: None)
+    path, ref = tiny
+    lm = make(path)
+    calls = []
+    forward = lm.model.forward
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["input_ids"].shape, kwargs.get("attention_mask"), kwargs.get("position_ids")))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(lm.model, "forward", spy)
+    prompt = list(range(300, 340))
+    particles = [prompt + [i] for i in range(6)]
+    steps = [[prompt], particles]
+    steps.append([p + [7 + i] for i, p in enumerate(particles)])  # each row of the stored block, in order
+    steps.append([steps[-1][i] + [1] for i in (5, 5, 0, 2, 2, 3)])  # resampled: gathered, same length
+    for contexts in steps:
+        assert max_error(gather(lm, contexts), contexts, ref) <= TOL
+    assert [tuple(shape) for shape, _, _ in calls] == [(1, 40), (6, 1), (6, 1), (4, 1)]
+    assert all(mask is None and positions is None for _, mask, positions in calls)
+    calls.clear()
+    ragged = [steps[-1][0] + [4, 5], steps[-1][3] + [6], [9, 8]]
+    assert max_error(gather(lm, ragged), ragged, ref) <= TOL
+    ((shape, mask, positions),) = calls
+    assert tuple(shape) == (3, 2) and mask is not None and positions is not None
+    assert positions.tolist() == [[43, 44], [0, 43], [0, 1]]
+
+
 def test_holes_left_by_ragged_batches_are_squeezed_out(tiny, monkeypatch):
     """Two rows extended by one and by three tokens in turn: the shorter gets pads in its block each
     step (a byte beam's prefill does this hundreds of times). The past must stay about as long as

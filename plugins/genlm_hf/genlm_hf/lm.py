@@ -177,17 +177,22 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     def run_step(self, step: Step) -> tuple[torch.Tensor, KV]:
         """The model on ``step``: a 2-D mask (causal steps) or the 4-D one of ``step.sees``, explicit
         positions, the past as a DynamicCache (new states written into its room when it has some);
-        the head only where logits are wanted."""
-        mask = self._tensor(step.keys).long() if step.sees is None else self._tensor(step.sees)[:, None]
-        rows = torch.tensor([b for b, _ in step.outputs], device=self.device)
-        columns = [c for _, c in step.outputs]
-        inputs = {
+        the head only where logits are wanted. A plain step (:meth:`Step.plain`: an SMC step, every
+        row one token after a past of the same length) passes what HF's own decode passes, no mask and
+        no positions (the model's defaults are the same), and takes the last-position logits as they are."""
+        inputs: dict[str, Any] = {
             "input_ids": self._tensor(step.input_ids),
-            "attention_mask": mask,
-            "position_ids": self._tensor(step.positions),
             "past_key_values": transformers_api.kv_cache(step.past, step.past_length if step.room else None),
             "use_cache": True,
         }
+        if not step.plain():
+            mask = self._tensor(step.keys).long() if step.sees is None else self._tensor(step.sees)[:, None]
+            inputs.update(attention_mask=mask, position_ids=self._tensor(step.positions))
+        columns = [c for _, c in step.outputs]
+        if step.outputs_last_in_order():
+            out = self.model(**inputs, logits_to_keep=1)
+            return out.logits[:, -1, :], transformers_api.cache_states(out.past_key_values)
+        rows = torch.tensor([b for b, _ in step.outputs], device=self.device)
         if all(c == step.width - 1 for c in columns):
             out = self.model(**inputs, logits_to_keep=1)
             logits = out.logits[rows, -1, :]

@@ -41,12 +41,6 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("__init__.py", "DynamicCache", "kv_cache: the past given to the model"),
     Interface(
         "cache_utils.py",
-        "DynamicCache.__init__",
-        "kv_cache: a past whose layers are filled without a copy",
-        params=("ddp_cache_data",),
-    ),
-    Interface(
-        "cache_utils.py",
         "DynamicCache",
         "kv_cache, cache_states: the layers replaced and read",
         attributes=("layers",),
@@ -57,7 +51,11 @@ INTERFACES: tuple[Interface, ...] = (
         "layer_with_room and kv_cache: the states a layer holds, set directly",
         attributes=("keys", "values", "dtype", "device", "is_initialized"),
     ),
-    Interface("cache_utils.py", "DynamicLayer.__init__", "layer_with_room: super().__init__() with no argument"),
+    Interface(
+        "cache_utils.py",
+        "DynamicLayer.__init__",
+        "kv_cache and layer_with_room: a layer made with no argument, its states set directly",
+    ),
     Interface(
         "cache_utils.py",
         "DynamicLayer.update",
@@ -143,17 +141,21 @@ def kv_cache(kv: KV | None, length: int | None = None) -> Any:
     new tokens, which are written there in place; else the model's update concatenates (a copy of the
     past, never a write into it)."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
+    cache = DynamicCache()
     if kv is None:
-        return DynamicCache()
+        return cache
     if length is not None:
-        cache = DynamicCache()
         cache.layers = [layer_with_room()(k, v, length) for k, v in kv]
         return cache
-    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
-    layer: Any  # full-attention layers (the only kind KV reuse runs on)
-    for layer, (k, v) in zip(cache.layers, kv):
-        layer.keys, layer.values = k, v
+    layers: list[Any] = []
+    for k, v in kv:  # full-attention layers (the only kind KV reuse runs on), filled as they are
+        layer = DynamicLayer()
+        layer.keys, layer.values, layer.dtype, layer.device = k, v, k.dtype, k.device
+        layer.is_initialized = True
+        layers.append(layer)
+    cache.layers = layers
     return cache
 
 
