@@ -114,14 +114,16 @@ class Particles:
         self.handles = [h.extend(t) for h, t in zip(self.handles, tokens)]
 
     @contextmanager
-    def _timed(self, stages: dict[str, list[float]], capture: bool) -> Iterator[None]:
-        """Time each of :data:`STAGES` between device syncs (instance attributes over the methods)."""
+    def _timed(self, stages: dict[str, list[float]], kinds: list[bool], capture: bool) -> Iterator[None]:
+        """Time each of :data:`STAGES` between device syncs (instance attributes over the methods); note
+        whether each model call was a plain step (no mask, no positions: ``Step.plain``) in ``kinds``."""
         lm = self.lm
 
         def timer(method: Callable[..., Any], name: str) -> Callable[..., Any]:
             def timed(arg: Any) -> Any:
-                if capture and name == "model call":
-                    self.last_step = arg
+                if name == "model call":
+                    self.last_step = arg if capture else self.last_step
+                    kinds.append(bool(arg.plain()))
                 sync(self.device)
                 t0 = time.perf_counter()
                 result = method(arg)
@@ -143,11 +145,12 @@ class Particles:
         """One SMC step: ``{"SMC step": seconds}``, and with ``timed`` the seconds of each stage inside it
         (summed over the step's forward passes; a stage that did not run is 0)."""
         stages: dict[str, list[float]] = {}
+        kinds: list[bool] = []
         before = (self.lm.batcher.stats.items, self.lm.tokens_computed)
         sync(self.device)
         t0 = time.perf_counter()
         if timed or capture:
-            with self._timed(stages, capture):
+            with self._timed(stages, kinds, capture):
                 await self._step()
         else:
             await self._step()
@@ -155,6 +158,7 @@ class Particles:
         out = {"SMC step": time.perf_counter() - t0}
         if timed:
             out.update({name: sum(stages.get(name, [0.0])) for _, name in STAGES})
+            out["plain"] = sum(kinds) / max(len(kinds), 1)
         out["rows"] = self.lm.batcher.stats.items - before[0]
         out["computed"] = self.lm.tokens_computed - before[1]
         return out
@@ -169,6 +173,7 @@ async def time_cell(model: Any, lm: Any, prompt: list[int], n: int, rounds: int,
     times: dict[str, list[float]] = {}
     rows: list[float] = []
     computed: list[float] = []
+    plain: list[float] = []
     for r in range(warmup + rounds):
         a = bare.step()
         b = await particles.step(timed=True)
@@ -179,9 +184,15 @@ async def time_cell(model: Any, lm: Any, prompt: list[int], n: int, rounds: int,
                 times.setdefault(name, []).append(b[name])
             times.setdefault("SMC step", []).append(c["SMC step"])
             rows += [b["rows"], c["rows"]]
+            plain.append(b["plain"])
             computed += [b["computed"], c["computed"]]
     del bare
-    return {"times": times, "rows": statistics.median(rows), "computed": statistics.median(computed)}
+    return {
+        "times": times,
+        "rows": statistics.median(rows),
+        "computed": statistics.median(computed),
+        "plain": statistics.mean(plain),
+    }
 
 
 def summary(cell: dict[str, Any]) -> dict[str, Any]:
@@ -201,6 +212,7 @@ def summary(cell: dict[str, Any]) -> dict[str, Any]:
         "smc_step_ratio_spread": (min(step), max(step)),
         "rows": cell["rows"],
         "computed": cell["computed"],
+        "plain": cell["plain"],
     }
 
 
@@ -217,6 +229,7 @@ HEADER = [
     f"step/bare (target {SMC_STEP_TARGET}x)",
     "rows/step",
     "tokens run/step",
+    "plain calls",
 ]
 
 
@@ -249,6 +262,7 @@ def table_row(model: str, n: int, prompt: int, s: dict[str, Any]) -> list[str]:
         ratio("smc_step_ratio", SMC_STEP_TARGET),
         f"{s['rows']:.0f}",
         f"{s['computed']:.0f}",
+        f"{s['plain']:.0%}",
     ]
 
 
