@@ -151,6 +151,35 @@ def test_an_smc_step_runs_as_hf_s_own_decode_step(tiny, monkeypatch):
     assert positions.tolist() == [[43, 44], [0, 43], [0, 1]]
 
 
+def test_decode_room_writes_smc_steps_in_place_and_never_over_another_s_states(tiny, monkeypatch):
+    """With ``decode_room``, SMC steps of the same rows write their states into the room after their past
+    (one buffer for several steps, then a copy into a new one); a stored block extended twice, by two
+    batches, is written in place only by the first: the second copies, and the first's states stay
+    right (rows against the uncached reference throughout, the second extension's and the first's).
+    (Merging the rows' pasts into one row, which particles packed with their shared prompt would keep
+    choosing, is turned off here: a merged step is not a plain one.)"""
+    import genlm_core.kv_reuse
+
+    monkeypatch.setattr(genlm_core.kv_reuse, "plan_merged", lambda rows, outputs=None: None)
+    path, ref = tiny
+    lm = make(path, decode_room=3)
+    prompt = list(range(300, 330))
+    contexts = [prompt + [i] for i in range(5)]
+    buffers = []
+    for step in range(8):
+        assert max_error(gather(lm, contexts), contexts, ref) <= TOL
+        block = lm.kv.longest_prefix(None, tuple(contexts[0]), len(contexts[0])).value.block
+        buffers.append(block.kv[0][0].data_ptr())
+        contexts = [c + [10 + step + i] for i, c in enumerate(contexts)]
+    assert len(set(buffers[2:])) == 2  # a copy with room 3, four steps in it, a copy, two more steps
+    first = [c + [1] for c in contexts]
+    second = [c + [2] for c in contexts]  # the same stored block again: copied, not written over first
+    assert max_error(gather(lm, first), first, ref) <= TOL
+    assert max_error(gather(lm, second), second, ref) <= TOL
+    after_first = [c + [3] for c in first]  # the first's stored block as it is: its states intact
+    assert max_error(gather(lm, after_first), after_first, ref) <= TOL
+
+
 def test_holes_left_by_ragged_batches_are_squeezed_out(tiny, monkeypatch):
     """Two rows extended by one and by three tokens in turn: the shorter gets pads in its block each
     step (a byte beam's prefill does this hundreds of times). The past must stay about as long as

@@ -69,6 +69,35 @@ def position_limit(model: Any) -> int | None:
     return None
 
 
+class Room:
+    """One layer's past in buffers (``[rows, heads, capacity, head_dim]``) with free positions after
+    ``length``, for ``decode_room``: the next plain step of the same rows writes its new states there in
+    place instead of copying the past. It travels on the views of the buffers that a step returns
+    (their attribute :attr:`ATTRIBUTE`), so it goes wherever the stored block goes; a second step that
+    extends the same stored block finds ``length`` moved on, and copies instead of writing over the
+    first one's states."""
+
+    __slots__ = ("keys", "length", "values")
+    ATTRIBUTE = "_genlm_room"
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+        self.keys, self.values, self.length = keys, values, length
+
+    def free_at(self, past: torch.Tensor, start: int, end: int) -> bool:
+        """Whether ``past`` (a view of these buffers) ends where they are filled, at ``start``, and
+        positions up to ``end`` are free."""
+        return self.length == start and self.keys.shape[-2] >= end and past.data_ptr() == self.keys.data_ptr()
+
+    @classmethod
+    def keep(cls, rooms: list[Room], kv: KV, end: int) -> None:
+        """After a step wrote into ``rooms``: each is filled up to ``end``, and rides on the step's
+        states (``kv``, views of its buffers) for the next step."""
+        for room, (k, _) in zip(rooms, kv):
+            if k.data_ptr() == room.keys.data_ptr() and k.shape[-2] == end:
+                room.length = end
+                setattr(k, cls.ATTRIBUTE, room)
+
+
 class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
     """A Hugging Face causal LM: batched, exact next-token logprobs with automatic KV reuse.
 
@@ -179,10 +208,15 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         positions, the past as a DynamicCache (new states written into its room when it has some);
         the head only where logits are wanted. A plain step (:meth:`Step.plain`: an SMC step, every
         row one token after a past of the same length) passes what HF's own decode passes, no mask and
-        no positions (the model's defaults are the same), and takes the last-position logits as they are."""
+        no positions (the model's defaults are the same), and takes the last-position logits as they
+        are; with ``decode_room``, its past is kept in buffers with room (:class:`Room`)."""
+        past, length = step.past, step.past_length if step.room else None
+        rooms = self._rooms(step) if self.options.decode_room and past is not None and step.plain() else None
+        if rooms is not None:
+            past, length = [(r.keys, r.values) for r in rooms], step.past_length
         inputs: dict[str, Any] = {
             "input_ids": self._tensor(step.input_ids),
-            "past_key_values": transformers_api.kv_cache(step.past, step.past_length if step.room else None),
+            "past_key_values": transformers_api.kv_cache(past, length),
             "use_cache": True,
         }
         if not step.plain():
@@ -191,21 +225,49 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         columns = [c for _, c in step.outputs]
         if step.outputs_last_in_order():
             out = self.model(**inputs, logits_to_keep=1)
-            return out.logits[:, -1, :], transformers_api.cache_states(out.past_key_values)
-        rows = torch.tensor([b for b, _ in step.outputs], device=self.device)
-        if all(c == step.width - 1 for c in columns):
+            logits = out.logits[:, -1, :]
+        elif all(c == step.width - 1 for c in columns):
             out = self.model(**inputs, logits_to_keep=1)
-            logits = out.logits[rows, -1, :]
+            logits = out.logits[self._rows(step), -1, :]
         elif self.plain_head:  # the head on the wanted positions only
             causal_lm = self._causal_lm()
             out = causal_lm.base_model(**inputs)
             head = causal_lm.get_output_embeddings()
-            logits = head(out.last_hidden_state[rows, torch.tensor(columns, device=self.device)])
+            logits = head(out.last_hidden_state[self._rows(step), torch.tensor(columns, device=self.device)])
         else:
             kept = sorted(set(columns))
             out = self.model(**inputs, logits_to_keep=torch.tensor(kept, device=self.device))
-            logits = out.logits[rows, torch.tensor([kept.index(c) for c in columns], device=self.device), :]
-        return logits, transformers_api.cache_states(out.past_key_values)
+            at = torch.tensor([kept.index(c) for c in columns], device=self.device)
+            logits = out.logits[self._rows(step), at, :]
+        kv = transformers_api.cache_states(out.past_key_values)
+        if rooms is not None:
+            Room.keep(rooms, kv, step.past_length + step.width)
+        return logits, kv
+
+    def _rows(self, step: Step) -> torch.Tensor:
+        return torch.tensor([b for b, _ in step.outputs], device=self.device)
+
+    def _rooms(self, step: Step) -> list[Room]:
+        """Buffers with room for a plain step's new tokens, per layer: the past's own, where this step
+        is the first to extend it (the stored block's :class:`Room`, or a past gathered for this step
+        with room); else new ones with ``decode_room`` positions of room after the step, the past copied
+        in (what HF's concatenation would copy anyway)."""
+        assert step.past is not None
+        start, end = step.past_length, step.past_length + step.width
+        found = [getattr(k, Room.ATTRIBUTE, None) for k, _ in step.past]
+        if all(r is not None and r.free_at(k, start, end) for r, (k, _) in zip(found, step.past)):
+            return found  # type: ignore[return-value]  # none is None
+        if step.room and step.past[0][0].shape[-2] >= end:  # gathered for this step: its room is ours
+            return [Room(k, v, start) for k, v in step.past]
+        rooms = []
+        spare = self.options.decode_room
+        for k, v in step.past:
+            keys = k.new_empty((*k.shape[:2], end + spare, k.shape[3]))
+            values = v.new_empty((*v.shape[:2], end + spare, v.shape[3]))
+            keys[:, :, :start] = k[:, :, :start]
+            values[:, :, :start] = v[:, :, :start]
+            rooms.append(Room(keys, values, start))
+        return rooms
 
     def _causal_lm(self) -> Any:
         """The transformers model, under a peft wrapper if LoRA adapters are loaded (peft changes its

@@ -33,5 +33,16 @@ class HFOptions(KVReuseOptions):
     )
     lora: dict[str, str] = Field(default_factory=dict, description="LoRA adapters to load at start: {name: path}.")
     active_lora: str | None = Field(None, description="Adapter active after loading (a key of lora).")
+    decode_room: int = Field(
+        0,
+        ge=0,
+        description=(
+            "Opt-in (0: off). Positions of room kept after the past of a plain step (every row's new tokens "
+            "right after a past of the same length: an SMC step), so that the next steps of the same rows "
+            "write their states there in place instead of copying the whole past each step, as HF's own "
+            "decode does; a full buffer is copied once into one with this much room again. Costs up to this "
+            "many positions per row of device memory that kv_cache_bytes does not count."
+        ),
+    )
     trust_remote_code: bool = Field(False, description="Allow model code from the checkpoint folder.")
     hf_opts: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments for from_pretrained.")
