@@ -21,8 +21,8 @@ and the rest go on; the exit status is 1 when any part failed. Parts, in the ord
   Llama shapes built on the device: HF's bare decode step (``model(input_ids=[N, 1],
   past_key_values=DynamicCache)``), genlm-hf's model call inside an SMC step (``run_step``, between
   device syncs) and the whole SMC step, interleaved, N = 32, 256 and 1,024, prompts of 24 and 2,000
-  tokens; ratios against the issue's targets (1.05x, 1.15x). A cell that does not fit in the device's
-  free memory is skipped and says what it needs.
+  tokens, each with genlm-hf's defaults and with ``decode_room=32``; ratios against the issue's targets
+  (1.05x, 1.15x). A cell that does not fit in the device's free memory is skipped and says what it needs.
 - ``profile:8b`` (only with ``--only profile``): torch.profiler (CPU and CUDA) on the bare step, on
   genlm-hf's model call (one SMC step's ``run_step`` replayed) and on the whole SMC step at N = 256:
   the top ops and kernels by self time side by side, the ops only one of them runs; the full tables
@@ -131,6 +131,9 @@ SECTIONS = {
 #: The step parts' grid on the GPU machine (N, prompt lengths, counted rounds) and on a dry run.
 STEP_GRID = {"n": [32, 256, 1024], "prompts": [24, 2000], "rounds": 7}
 STEP_DRY_GRID = {"n": [4, 8], "prompts": [24, 100], "rounds": 2}
+#: genlm-hf's options in the step parts (each cell runs once per variant): the default, and the opt-in
+#: room after a plain step's past (its next steps write in place; room for every counted step).
+STEP_VARIANTS: dict[str, dict[str, Any]] = {"": {}, " decode_room=32": {"decode_room": 32}}
 #: The profile parts' cells (N, prompt lengths, profiled steps) on the GPU machine and on a dry run.
 PROFILE_GRID = {"n": [256], "prompts": [24, 500], "steps": 5}
 PROFILE_DRY_GRID = {"n": [8], "prompts": [24], "steps": 2}
@@ -549,31 +552,34 @@ def part_step(part: Part, args: argparse.Namespace, shape: str) -> None:
     sync(device)
     name = f"{SHAPE_NAMES[shape]} bf16"
     part.note(f"{name}: built on {device} in {time.perf_counter() - t0:.1f} s")
-    lm = hf_lm(model, tok, batch_size=max(g["n"]), timeout=0)  # one batch per SMC step
+    lms = {label: hf_lm(model, tok, batch_size=max(g["n"]), timeout=0, **o) for label, o in STEP_VARIANTS.items()}
     rows: list[list[str]] = []
     try:
         for n in g["n"]:
-            lm.batcher.batch_size = n
             for length in g["prompts"]:
-                prompt = bench_smc.prompt_of(lm, length)
-                tokens = length + 2 * (warmup + g["rounds"]) + 2
-                if not fits(part, hf_step, model, n, tokens, len(tok), device):
-                    rows.append([name, str(n), str(length), "skipped: memory", *[""] * (len(hf_step.HEADER) - 4)])
-                    continue
-                cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, g["rounds"], warmup))
-                s = hf_step.summary(cell)
-                rows.append(hf_step.table_row(name, n, length, s))
-                part.numbers[f"N{n} p{length}"] = {**s, "times": cell["times"]}
-                part.save()
-                lm.clear_cache()
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+                for label, lm in lms.items():
+                    lm.batcher.batch_size = n  # one batch per SMC step
+                    prompt = bench_smc.prompt_of(lm, length)
+                    tokens = length + 2 * (warmup + g["rounds"]) + 2 + lm.options.decode_room
+                    if not fits(part, hf_step, model, n, tokens, len(tok), device):
+                        skipped = [f"{name}{label}", str(n), str(length), "skipped: memory"]
+                        rows.append(skipped + [""] * (len(hf_step.HEADER) - 4))
+                        continue
+                    cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, g["rounds"], warmup))
+                    s = hf_step.summary(cell)
+                    rows.append(hf_step.table_row(f"{name}{label}", n, length, s))
+                    part.numbers[f"N{n} p{length}{label}"] = {**s, "times": cell["times"]}
+                    part.save()
+                    lm.clear_cache()
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     finally:
         title = f"{g['rounds']} interleaved rounds (bare, SMC step timed inside, SMC step) after {warmup}, on {device}"
         if rows:
             part.table("step", title, hf_step.HEADER, rows)
-        lm.cleanup()
+        for lm in lms.values():
+            lm.cleanup()
 
 
 def part_profile(part: Part, args: argparse.Namespace, shape: str) -> None:

@@ -65,17 +65,18 @@ def test_the_step_part_times_genlms_model_call_and_smc_step_beside_the_bare_step
     part = gpu_check.Part("step:tiny")
     gpu_check.part_step(part, step_args(tmp_path, step_n="4", step_prompts="24", step_rounds="3"), "tiny")
     assert part.failures == []
-    (cell,) = part.numbers.values()
-    times = cell["times"]
-    assert {len(v) for v in times.values()} == {3} and all(t > 0 for t in times["bare"] + times["model call"])
-    assert cell["rows"] == 4 and cell["computed"] == 4
-    assert cell["plain"] == 1  # every counted model call as HF's own decode step: no mask, no positions
-    for r in range(3):  # the same step's (the untimed SMC step is the next one)
-        assert 0 < times["model call"][r] <= times["forward_batch"][r]
-    ratios = sorted(b / a for a, b in zip(times["bare"], times["model call"]))
-    assert cell["model_call_ratio"] == pytest.approx(ratios[1])
+    assert list(part.numbers) == ["N4 p24", "N4 p24 decode_room=32"]  # genlm-hf's defaults, and the opt-in room
+    for cell in part.numbers.values():
+        times = cell["times"]
+        assert {len(v) for v in times.values()} == {3} and all(t > 0 for t in times["bare"] + times["model call"])
+        assert cell["rows"] == 4 and cell["computed"] == 4
+        assert cell["plain"] == 1  # every counted model call as HF's own decode step: no mask, no positions
+        for r in range(3):  # the same step's (the untimed SMC step is the next one)
+            assert 0 < times["model call"][r] <= times["forward_batch"][r]
+        ratios = sorted(b / a for a, b in zip(times["bare"], times["model call"]))
+        assert cell["model_call_ratio"] == pytest.approx(ratios[1])
     (table,) = part.tables
-    assert table["section"] == "step" and [r[1:3] for r in table["rows"]] == [["4", "24"]]
+    assert table["section"] == "step" and [r[1:3] for r in table["rows"]] == [["4", "24"], ["4", "24"]]
 
 
 def test_the_profile_part_sets_the_bare_step_beside_genlms_model_call(tmp_path):
