@@ -9,7 +9,8 @@ GPT-2 tokenizer) built offline.
     python benchmarks/bench_hf.py                 # N=32,T=32 with seed; N=128; 1,000-token shared prompt
     python benchmarks/bench_hf.py --quick         # N=32,T=32 only, no seed
     python benchmarks/bench_hf.py --step          # HF's bare decode step vs genlm-hf's model call and
-                                                  # SMC step, interleaved (hf_step.py; --n, --prompts, --rounds)
+                                                  # SMC step, interleaved (hf_step.py; --n, --prompts,
+                                                  # --rounds, --decode-room)
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def step_mode(args: argparse.Namespace) -> None:
     path = str(tiny_model_dir(**MODEL))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ns = [int(x) for x in args.n.split(",")]
-    lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), HFOptions(batch_size=max(ns), timeout=0))
+    options = HFOptions(batch_size=max(ns), timeout=0, decode_room=args.decode_room)
+    lm = AsyncTransformer(model, AutoTokenizer.from_pretrained(path), options)
     text = "It was a bright cold day in April, and the clocks were striking thirteen. "
     rows = []
     for n in ns:
@@ -112,7 +114,8 @@ def step_mode(args: argparse.Namespace) -> None:
         for length in [int(x) for x in args.prompts.split(",")]:
             prompt = (list(lm.tokenizer.encode(text)) * (length // 10 + 1))[:length]
             cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, args.rounds))
-            rows.append(hf_step.table_row("float32 Llama", n, length, hf_step.summary(cell)))
+            label = f"float32 Llama{f' decode_room={args.decode_room}' if args.decode_room else ''}"
+            rows.append(hf_step.table_row(label, n, length, hf_step.summary(cell)))
     print(
         f"model: float32 Llama, {params(model) / 1e6:.1f}M parameters; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; {args.rounds} interleaved rounds after 2; times: median (min-max)"
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--n", default="8,32", help="--step: particles (default 8,32)")
     ap.add_argument("--prompts", default="24,200", help="--step: prompt lengths (default 24,200)")
     ap.add_argument("--rounds", type=int, default=15, help="--step: counted rounds (default 15)")
+    ap.add_argument("--decode-room", type=int, default=0, help="--step: genlm-hf's decode_room option (default 0)")
     args = ap.parse_args()
     if args.step:
         step_mode(args)
