@@ -169,16 +169,27 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             return self.kv_forward_batch(requests)
 
     def gather_kv(self, gather: Gather) -> KV:
-        """Follow ``gather`` in every layer: one indexing per part, which is the past itself when one
-        part writes all of it; else into a past allocated once (a one-row part straight into place)."""
-        if (whole := gather.whole()) is not None:
+        """Follow ``gather`` in every layer. One part that writes the whole past: when each row's past is
+        its block row's first positions (an SMC step's, resampled or deduplicated), one ``index_select``
+        of rows per layer into a past allocated with room; else one indexing, which is the past itself.
+        Several parts: into a past allocated once (a one-row part straight into place). With
+        ``decode_room``, the past has that much more room (its next steps write there in place)."""
+        whole, spare = gather.whole(), self.options.decode_room
+        prefix = whole is not None and leading_columns(whole.columns, gather.length)
+        if whole is not None and not prefix and not spare:
             return self._take(whole)
-        size = gather.length + gather.room
+        size = gather.length + gather.room + spare
         new = torch.Tensor.new_empty if gather.complete else torch.Tensor.new_zeros
         past = [
             (new(k, (gather.rows, k.shape[1], size, k.shape[3])), new(v, (gather.rows, v.shape[1], size, v.shape[3])))
             for k, v in gather.parts[0].block.kv
         ]
+        if whole is not None and prefix:  # the room is written by the step before it is read
+            rows, length = self._tensor(whole.rows), gather.length
+            for (k, v), (sk, sv) in zip(past, whole.block.kv):
+                torch.index_select(sk[:, :, :length], 0, rows, out=k[:, :, :length])
+                torch.index_select(sv[:, :, :length], 0, rows, out=v[:, :, :length])
+            return past
         for part in gather.parts:
             end = part.at + part.columns.shape[1]
             if len(part.rows) == 1:
@@ -339,6 +350,12 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         else:
             self.model.set_adapter(adapter)
             yield
+
+
+def leading_columns(columns: np.ndarray, length: int) -> bool:
+    """Whether every row of ``columns`` (a gather index, ``[rows, >= length]``) starts with the
+    positions ``0 .. length - 1`` in order: the rows' pasts are their block rows' first positions."""
+    return length > 0 and bool((columns[:, :length] == np.arange(length)).all())
 
 
 def resolve_device(device: str | None) -> torch.device:
