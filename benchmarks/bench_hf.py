@@ -10,7 +10,7 @@ GPT-2 tokenizer) built offline.
     python benchmarks/bench_hf.py --quick         # N=32,T=32 only, no seed
     python benchmarks/bench_hf.py --step          # HF's bare decode step vs genlm-hf's model call and
                                                   # SMC step, interleaved (hf_step.py; --n, --prompts,
-                                                  # --rounds, --decode-room)
+                                                  # --rounds, --decode-room, --resample)
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def step_mode(args: argparse.Namespace) -> None:
         lm.batcher.batch_size = n
         for length in [int(x) for x in args.prompts.split(",")]:
             prompt = (list(lm.tokenizer.encode(text)) * (length // 10 + 1))[:length]
-            cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, args.rounds))
+            cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, args.rounds, resample=args.resample))
             label = f"float32 Llama{f' decode_room={args.decode_room}' if args.decode_room else ''}"
+            label += " resampled" if args.resample else ""
             rows.append(hf_step.table_row(label, n, length, hf_step.summary(cell)))
     print(
         f"model: float32 Llama, {params(model) / 1e6:.1f}M parameters; torch {torch.__version__}, "
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="24,200", help="--step: prompt lengths (default 24,200)")
     ap.add_argument("--rounds", type=int, default=15, help="--step: counted rounds (default 15)")
     ap.add_argument("--decode-room", type=int, default=0, help="--step: genlm-hf's decode_room option (default 0)")
+    ap.add_argument("--resample", action="store_true", help="--step: particles resampled uniformly every step")
     args = ap.parse_args()
     if args.step:
         step_mode(args)

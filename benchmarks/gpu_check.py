@@ -21,8 +21,9 @@ and the rest go on; the exit status is 1 when any part failed. Parts, in the ord
   Llama shapes built on the device: HF's bare decode step (``model(input_ids=[N, 1],
   past_key_values=DynamicCache)``), genlm-hf's model call inside an SMC step (``run_step``, between
   device syncs) and the whole SMC step, interleaved, N = 32, 256 and 1,024, prompts of 24 and 2,000
-  tokens, each with genlm-hf's defaults and with ``decode_room=32``; ratios against the issue's targets
-  (1.05x, 1.15x). A cell that does not fit in the device's free memory is skipped and says what it needs.
+  tokens, each with genlm-hf's defaults and with ``decode_room=32`` (and at N = 256, particles
+  resampled every step: each step's past gathered); ratios against the issue's targets (1.05x,
+  1.15x). A cell that does not fit in the device's free memory is skipped and says what it needs.
 - ``profile:8b`` (only with ``--only profile``): torch.profiler (CPU and CUDA) on the bare step, on
   genlm-hf's model call (one SMC step's ``run_step`` replayed) and on the whole SMC step at N = 256:
   the top ops and kernels by self time side by side, the ops only one of them runs; the full tables
@@ -134,6 +135,9 @@ STEP_DRY_GRID = {"n": [4, 8], "prompts": [24, 100], "rounds": 2}
 #: genlm-hf's options in the step parts (each cell runs once per variant): the default, and the opt-in
 #: room after a plain step's past (its next steps write in place; room for every counted step).
 STEP_VARIANTS: dict[str, dict[str, Any]] = {"": {}, " decode_room=32": {"decode_room": 32}}
+#: The N at which the step parts also run particles resampled uniformly after every step (duplicates
+#: deduplicated, each step's past gathered), with genlm-hf's defaults.
+RESAMPLED_N = (256, 8)
 #: The profile parts' cells (N, prompt lengths, profiled steps) on the GPU machine and on a dry run.
 PROFILE_GRID = {"n": [256], "prompts": [24, 500], "steps": 5}
 PROFILE_DRY_GRID = {"n": [8], "prompts": [24], "steps": 2}
@@ -557,7 +561,9 @@ def part_step(part: Part, args: argparse.Namespace, shape: str) -> None:
     try:
         for n in g["n"]:
             for length in g["prompts"]:
-                for label, lm in lms.items():
+                variants = [(label, lm, False) for label, lm in lms.items()]
+                variants += [(" resampled", lms[""], True)] if n in RESAMPLED_N else []
+                for label, lm, resample in variants:
                     lm.batcher.batch_size = n  # one batch per SMC step
                     prompt = bench_smc.prompt_of(lm, length)
                     tokens = length + 2 * (warmup + g["rounds"]) + 2 + lm.options.decode_room
@@ -565,7 +571,7 @@ def part_step(part: Part, args: argparse.Namespace, shape: str) -> None:
                         skipped = [f"{name}{label}", str(n), str(length), "skipped: memory"]
                         rows.append(skipped + [""] * (len(hf_step.HEADER) - 4))
                         continue
-                    cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, g["rounds"], warmup))
+                    cell = asyncio.run(hf_step.time_cell(model, lm, prompt, n, g["rounds"], warmup, resample))
                     s = hf_step.summary(cell)
                     rows.append(hf_step.table_row(f"{name}{label}", n, length, s))
                     part.numbers[f"N{n} p{length}{label}"] = {**s, "times": cell["times"]}

@@ -99,8 +99,9 @@ STAGES = (("run_step", "model call"), ("gather_kv", "gather"), ("kv_forward_batc
 class Particles:
     """N particles on genlm-hf, each holding a context handle, extended by one sampled token per step."""
 
-    def __init__(self, lm: Any, prompt: list[int], n: int, seed: int = 0):
+    def __init__(self, lm: Any, prompt: list[int], n: int, seed: int = 0, resample: bool = False):
         self.lm = lm
+        self.resample = resample  # after each step, N ancestors drawn uniformly (duplicates, reordered)
         self.device = torch.device(lm.device)
         self.handles = [lm.context(prompt)] * n
         self.generator = torch.Generator().manual_seed(seed)
@@ -112,6 +113,9 @@ class Particles:
 
         tokens = masked_proposal(torch.stack(rows), None, generator=self.generator).tokens.tolist()
         self.handles = [h.extend(t) for h, t in zip(self.handles, tokens)]
+        if self.resample:
+            ancestors = torch.randint(len(self.handles), (len(self.handles),), generator=self.generator)
+            self.handles = [self.handles[a] for a in ancestors.tolist()]
 
     @contextmanager
     def _timed(self, stages: dict[str, list[float]], kinds: list[bool], capture: bool) -> Iterator[None]:
@@ -164,12 +168,16 @@ class Particles:
         return out
 
 
-async def time_cell(model: Any, lm: Any, prompt: list[int], n: int, rounds: int, warmup: int = 2) -> dict[str, Any]:
+async def time_cell(
+    model: Any, lm: Any, prompt: list[int], n: int, rounds: int, warmup: int = 2, resample: bool = False
+) -> dict[str, Any]:
     """Bare step, SMC step timed inside, SMC step, in turn, ``warmup + rounds`` times; the counted rounds'
-    seconds of each (``bare``, ``model call``, ``gather``, ``forward_batch``, ``SMC step``) and counters."""
+    seconds of each (``bare``, ``model call``, ``gather``, ``forward_batch``, ``SMC step``) and counters.
+    With ``resample``, the particles are resampled (uniformly) after every step: fewer distinct rows,
+    each step's past gathered."""
     lm.clear_cache()
     bare = Bare(model, prompt, n)
-    particles = Particles(lm, prompt, n)
+    particles = Particles(lm, prompt, n, resample=resample)
     times: dict[str, list[float]] = {}
     rows: list[float] = []
     computed: list[float] = []

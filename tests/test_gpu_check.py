@@ -63,20 +63,27 @@ def test_the_step_part_times_genlms_model_call_and_smc_step_beside_the_bare_step
     with one new token per SMC step (KV reuse), given to the model as a plain step; the model call inside
     the backend's step; the ratios are the medians of each round's."""
     part = gpu_check.Part("step:tiny")
-    gpu_check.part_step(part, step_args(tmp_path, step_n="4", step_prompts="24", step_rounds="3"), "tiny")
+    gpu_check.part_step(part, step_args(tmp_path, step_n="8", step_prompts="24", step_rounds="3"), "tiny")
     assert part.failures == []
-    assert list(part.numbers) == ["N4 p24", "N4 p24 decode_room=32"]  # genlm-hf's defaults, and the opt-in room
-    for cell in part.numbers.values():
+    # genlm-hf's defaults, the opt-in room, and (at N = 8) particles resampled every step
+    assert list(part.numbers) == [
+        "N8 p24",
+        "N8 p24 decode_room=32",
+        "N8 p24 resampled",
+    ]
+    resampled = part.numbers.pop("N8 p24 resampled")
+    assert 1 < resampled["rows"] < 8 and min(resampled["times"]["gather"]) > 0  # duplicates; every past gathered
+    for key, cell in part.numbers.items():
         times = cell["times"]
         assert {len(v) for v in times.values()} == {3} and all(t > 0 for t in times["bare"] + times["model call"])
-        assert cell["rows"] == 4 and cell["computed"] == 4
+        assert cell["rows"] == cell["computed"] == int(key.split()[0][1:])
         assert cell["plain"] == 1  # every counted model call as HF's own decode step: no mask, no positions
         for r in range(3):  # the same step's (the untimed SMC step is the next one)
             assert 0 < times["model call"][r] <= times["forward_batch"][r]
         ratios = sorted(b / a for a, b in zip(times["bare"], times["model call"]))
         assert cell["model_call_ratio"] == pytest.approx(ratios[1])
     (table,) = part.tables
-    assert table["section"] == "step" and [r[1:3] for r in table["rows"]] == [["4", "24"], ["4", "24"]]
+    assert table["section"] == "step" and [r[1] for r in table["rows"]] == ["8", "8", "8"]
 
 
 def test_the_profile_part_sets_the_bare_step_beside_genlms_model_call(tmp_path):
