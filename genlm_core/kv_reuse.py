@@ -219,9 +219,10 @@ class Step:
         causal attention, each row's new tokens at positions ``past_length, past_length + 1, ...``. A
         model given no mask and no positions assumes exactly this (HF's own decode step), so a backend
         may leave both out (an SMC step: every particle one token after a past of the same length)."""
-        if self.sees is not None or not self.keys.all():
+        if self.sees is not None:
             return False
-        return bool((self.positions == np.arange(self.past_length, self.past_length + self.width)).all())
+        positions = np.arange(self.past_length, self.past_length + self.width)
+        return bool((self.positions == positions).all() and self.keys.all())
 
     def outputs_last_in_order(self) -> bool:
         """Whether the logits wanted are each row's last position, row by row in order (the model's

@@ -5,6 +5,7 @@ uncached, unbatched forward pass."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -57,6 +58,37 @@ def test_plan_batch_left_pads_new_tokens_and_gathers_each_rows_past_right_aligne
     step = plan.step(None)
     np.testing.assert_array_equal(step.keys, np.concatenate([plan.past.mask, plan.new_mask], axis=1))
     assert step.room and step.sees is None and step.past_length == 5
+
+
+def test_a_step_is_plain_only_when_the_models_defaults_are_its_mask_and_positions():
+    """Plain: no pad, no hole, causal, each row's new tokens at past_length, past_length + 1, ... (what a
+    model given no mask and no positions assumes); and the outputs each row's last, in order."""
+    a, holes = make_block(3, 4), make_block(2, 5, [[1, 1, 0, 1, 1], [1, 1, 1, 1, 1]])
+    extend = [KVRow((1, 2, 3, 4, 9), done=4, entry=Entry(a, b)) for b in range(3)]  # the block's rows, in order
+    resampled = [KVRow((1, 2, 3, 4, 9), done=4, entry=Entry(a, b)) for b in (2, 2, 0)]  # gathered
+    fresh = [KVRow((5, 6, 7)), KVRow((8, 9, 10))]
+    for rows in (extend, resampled, fresh):
+        step = plan_batch(rows).step(None)
+        assert step.plain() and step.outputs_last_in_order()
+    ragged = [KVRow((1, 2, 3, 4, 9), done=4, entry=Entry(a, 0)), KVRow((1, 2, 3, 4, 9, 9), done=4, entry=Entry(a, 1))]
+    shorter = [KVRow((1, 2, 3, 4, 9), done=4, entry=Entry(a, 0)), KVRow((1, 2, 9), done=2, entry=Entry(a, 1))]
+    holed = [
+        KVRow((1, 2, 3, 4, 9), done=4, entry=Entry(holes, 0)),
+        KVRow((1, 2, 3, 4, 5, 9), done=5, entry=Entry(holes, 1)),
+    ]
+    for rows in (ragged, shorter, holed):
+        assert not plan_batch(rows).step(None).plain()
+    step = plan_batch(extend).step(None)
+    keys = step.keys.copy()
+    keys[1, 2] = False  # a key that is not a token, though every position follows the past
+    assert not dataclasses.replace(step, keys=keys).plain()
+    packed, where = pack_shared(
+        [KVRow((1, 2, 3, 4, 7, 8), 4, Entry(a, 0)), KVRow((1, 2, 3, 4, 7, 9), 4, Entry(a, 0))], 8
+    )
+    step = plan_batch(packed, where).step(None)
+    assert not step.plain() and not step.outputs_last_in_order()  # a tree mask; outputs inside the row
+    step = plan_batch(extend, [(1, 0), (0, 0), (2, 0)]).step(None)
+    assert step.plain() and not step.outputs_last_in_order()  # rows out of order
 
 
 def test_gather_skips_holes_and_takes_a_packed_sequences_own_columns():
