@@ -221,8 +221,8 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
         row one token after a past of the same length) passes what HF's own decode passes, no mask and
         no positions (the model's defaults are the same), and takes the last-position logits as they
         are; with ``decode_room``, its past is kept in buffers with room (:class:`Room`)."""
-        past, length = step.past, step.past_length if step.room else None
-        rooms = self._rooms(step) if self.options.decode_room and past is not None and step.plain() else None
+        past, length, plain = step.past, step.past_length if step.room else None, step.plain()
+        rooms = self._rooms(step) if self.options.decode_room and past is not None and plain else None
         if rooms is not None:
             past, length = [(r.keys, r.values) for r in rooms], step.past_length
         inputs: dict[str, Any] = {
@@ -230,7 +230,7 @@ class AsyncTransformer(KVReuse, LoRASelection, AsyncLM):
             "past_key_values": transformers_api.kv_cache(past, length),
             "use_cache": True,
         }
-        if not step.plain():
+        if not plain:
             mask = self._tensor(step.keys).long() if step.sees is None else self._tensor(step.sees)[:, None]
             inputs.update(attention_mask=mask, position_ids=self._tensor(step.positions))
         columns = [c for _, c in step.outputs]
