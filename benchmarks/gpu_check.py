@@ -105,7 +105,7 @@ PARTS: dict[str, tuple[float, float]] = {
     "overhead": (150, 90),
     "step:1b": (150, 60),
     "step:8b": (170, 60),
-    "profile:8b": (110, 60),
+    "profile:8b": (120, 60),
 }
 DRY_PARTS = ("rows", "trie", "smc:tiny", "overhead", "step:tiny", "profile:tiny")
 #: Parts the GPU machine runs only when ``--only`` names them (a dry run runs them all).
@@ -139,7 +139,7 @@ STEP_VARIANTS: dict[str, dict[str, Any]] = {"": {}, " decode_room=32": {"decode_
 #: deduplicated, each step's past gathered), with genlm-hf's defaults.
 RESAMPLED_N = (256, 8)
 #: The profile parts' cells (N, prompt lengths, profiled steps) on the GPU machine and on a dry run.
-PROFILE_GRID = {"n": [256], "prompts": [24, 500], "steps": 5}
+PROFILE_GRID = {"n": [256], "prompts": [24, 500], "steps": 3}
 PROFILE_DRY_GRID = {"n": [8], "prompts": [24], "steps": 2}
 #: bench_overhead.py's grid on the GPU machine and on a dry run.
 OVERHEAD_ARGS = ["--n", "32,256,1024", "--context", "24,8000", "--vocab", "50257,128256", "--steps", "12"]
