@@ -869,16 +869,25 @@ def stream(cmd: list[str], log: Path, timeout: float, env: dict[str, str]) -> tu
 
 
 def machine() -> dict[str, Any]:
-    import numba
+    """What ran the check: versions, CPUs, the GPU and the commit (numba and transformers are not imported
+    here: the driver only reads their versions, each part imports what it uses)."""
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
-    import transformers
+
+    def version_of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:  # on the path without its metadata: the module says
+            return str(importlib.import_module(name).__version__)
 
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "numba": numba.__version__,
+        "transformers": version_of("transformers"),
+        "numba": version_of("numba"),
         "cpus": os.cpu_count(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

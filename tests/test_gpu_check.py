@@ -111,15 +111,26 @@ def test_the_profile_part_sets_the_bare_step_beside_genlms_model_call(tmp_path):
     ]
 
 
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
 @pytest.mark.slow
 @pytest.mark.process
 def test_a_broken_tolerance_fails_the_check(tmp_path):
-    done = dry_run(tmp_path, "--only", "rows", "--rows-tol", "1e-12")
+    """A float32 rows tolerance no row meets fails the rows part, the run and its exit status; with vLLM's
+    CPU build installed, a vllm:rows tolerance no row meets fails vllm:rows in the same run (one script
+    and driver for both: each part still runs in its own process and is judged by itself)."""
+    only, tolerances, failed = "rows", ["--rows-tol", "1e-12"], ["rows"]
+    if HAS_VLLM:
+        only, tolerances, failed = "rows,vllm:rows", [*tolerances, "--vllm-tol", "1e-12"], ["rows", "vllm:rows"]
+    done = dry_run(tmp_path, "--only", only, *tolerances)
     assert done.returncode == 1, done.stdout[-4000:]
     assert "FAIL [rows] float32 rows on cpu differ from the CPU float64 reference" in done.stdout
     parts = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
-    assert [(p["part"], p["ok"]) for p in parts] == [("rows", False)]
-    assert "FAILED: rows" in done.stdout
+    assert [(p["part"], p["ok"]) for p in parts] == [(name, False) for name in failed]
+    assert f"FAILED: {', '.join(failed)};" in done.stdout
+    if HAS_VLLM:
+        assert "FAIL [vllm:rows] rows differ from genlm-hf's by" in done.stdout
 
 
 @pytest.mark.parametrize(("shape", "params"), [("135m", 134.5e6), ("1b", 1.236e9), ("8b", 8.030e9)])
@@ -151,7 +162,7 @@ def test_the_vllm_parts_say_what_to_carry_when_vllm_is_not_there(tmp_path, monke
 
 @pytest.mark.slow
 @pytest.mark.process
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is not installed")
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM's CPU build is not installed")
 def test_the_vllm_dry_run_passes_on_the_cpu_build(tmp_path):
     """``--only vllm`` on the CPU: genlm-vllm's rows against genlm-hf and vLLM's logprobs, the shared live
     check, and bench_smc.py's vLLM rows on a dummy-weight model, through the same script and processes."""
@@ -167,13 +178,3 @@ def test_the_vllm_dry_run_passes_on_the_cpu_build(tmp_path):
     assert {f"N{n} p{p} {m}" for n in (4, 8) for p in (24, 100) for m in ("lipogram", "none")} <= set(smc)
     assert all(v["rows"] > 0 and 0 < v["busy"] <= 1 for k, v in smc.items() if k.startswith("N"))
     assert {t["section"] for p in parts.values() for t in p["tables"]} == {"vllm", "vllm-smc"}
-
-
-@pytest.mark.slow
-@pytest.mark.process
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM's CPU build is not installed")
-def test_a_broken_vllm_tolerance_fails_the_check(tmp_path):
-    done = dry_run(tmp_path, "--only", "vllm:rows", "--vllm-tol", "1e-12")
-    assert done.returncode == 1, done.stdout[-4000:]
-    assert "FAIL [vllm:rows] rows differ from genlm-hf's by" in done.stdout
-    assert "FAILED: vllm:rows" in done.stdout
