@@ -166,30 +166,25 @@ def as_in_vllm_0_26(original):
 @pytest.mark.slow
 @pytest.mark.layouts
 @pytest.mark.parametrize("fixed", [True, False], ids=["exact hashes", "as 0.26 left them"])
-def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
-    alone, path, engine_opts, monkeypatch, fixed
-):
+def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(engine, monkeypatch, fixed):
     """A session's chunk of 31 tokens samples a token s at position 31 (completing a block of 32), which
     genlm discards: the next chunk puts t there. vLLM 0.26 keeps the block's hash of the tokens with s, so
     the block (holding t's KV) is cached as if it held s, and a context with s at position 31 is served
     t's KV. With vllm_api.exact_session_block_hashes the row is the uncached one; without it, under 0.26's
-    behaviour, it is not (the check can fail)."""
+    behaviour, it is not (the check can fail).
+
+    On the shared in-process engine (its scheduler runs in this process): its start wrapped vLLM's session
+    update (the fork connector's scheduler side calls exact_session_block_hashes); here the update is put
+    back as 0.26 has it and wrapped again the same way (exact hashes) or left so (as 0.26 left them)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from genlm_core import load_model_by_name
-    from genlm_vllm import forks
-
     current = Scheduler._update_request_as_session
-    monkeypatch.setattr(
-        Scheduler, "_update_request_as_session", as_in_vllm_0_26(getattr(current, "__wrapped__", current))
-    )
-    if not fixed:
-        monkeypatch.setattr(forks, "exact_session_block_hashes", lambda: None)
-    lm = load_model_by_name(
-        path,
-        backend="vllm",
-        llm_opts={"dtype": "float32", "max_model_len": 2048, "timeout": 0.01, "engine_opts": engine_opts},
-    )
+    assert getattr(current, "genlm_exact_hashes", False), "the engine's start did not make the hashes exact"
+    monkeypatch.setattr(Scheduler, "_update_request_as_session", as_in_vllm_0_26(current.__wrapped__))
+    if fixed:
+        vllm_api.exact_session_block_hashes()  # as the fork connector's scheduler side does when an engine starts
+    lm = engine
+    lm.clear_cache()  # no session parked and no block cached by an earlier test
     try:
         context = list(range(300, 300 + CPU_BLOCK_SIZE - 1))
         lm.next_token_logprobs_sync(context)
@@ -202,7 +197,7 @@ def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
         row = lm.next_token_logprobs_sync(probe)
         gap = (row - lm.next_token_logprobs_uncached(probe)).abs().max().item()
     finally:
-        lm.cleanup()
+        lm.clear_cache()  # as 0.26 left them: the block cached under the wrong hash leaves with the prefix cache
     if fixed:
         assert gap <= 1e-5, gap
     else:
