@@ -100,16 +100,22 @@ def test_context_past_max_model_len_is_refused_before_the_engine(engine):
 
 @pytest.mark.slow
 @pytest.mark.layouts
-def test_an_engine_collected_after_the_next_one_started_leaves_it_working(path, hf, engine_opts, alone):
+def test_an_engine_collected_after_the_next_one_started_leaves_it_working(
+    path, hf, engine_opts, shared_engine, request
+):
     """cleanup() tears an in-process engine down at once (twice is fine; the closed model refuses every
     call): were it left to the garbage collector, its teardown would destroy vLLM's process-wide parallel
-    groups under whichever engine runs then. A second and a third engine start in the same process."""
+    groups under whichever engine runs then. A second and a third engine start in the same process.
+
+    The first engine is the session's shared one (started here if no test has yet): closed here, it is
+    started again by the next test that asks for it."""
     options = {"dtype": "float32", "max_model_len": 2048, "engine_opts": engine_opts}
-    first = load_model_by_name(path, backend="vllm", llm_opts=options)
+    first = shared_engine.get(request.config)
     first.next_token_logprobs_sync([7, 8])
     core = first.driver.engine.llm_engine.engine_core
     first.cleanup()
     first.cleanup()  # twice is fine
+    shared_engine.close()  # a third time; the session's fixture lets go of it (the next test to ask starts another)
     with pytest.raises(ClosedError, match="closed by cleanup"):
         first.next_token_logprobs_sync([7, 8])
     with pytest.raises(ClosedError, match="closed by cleanup"):
