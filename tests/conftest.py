@@ -1,5 +1,6 @@
-"""Shared fixtures: real offline tokenizers (built once per machine) and a fresh plugin manager; and the
-fast tier's time budget (``TimeBudget``)."""
+"""Shared fixtures: real offline tokenizers (built once per machine) and a fresh plugin manager; how the run
+is spread over worker processes (pytest-xdist: ``pytest_collection_modifyitems``); and the fast tier's time
+budget (``TimeBudget``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import Any
 
 # Nothing here comes from a model hub: an unknown name fails at once instead of retrying the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +20,12 @@ from genlm_core.plugins import reset_plugins
 from genlm_core.testing.tokenizers import load_tokenizer, toy_tokenizer
 
 REAL_TOKENIZERS = ["gpt2", "mistral-v1", "mistral-v3", "tekken"]
+#: Folders whose tests run on one worker, one after another, and first. vLLM's tests start engines whose
+#: processes and /dev/shm files they count (a second worker's engine starting at the same moment would be
+#: counted, and ``EngineFiles`` would take its files for the starting engine's), a Ray cluster on fixed
+#: loopback addresses, and a session engine per process; they are also the run's longest chain.
+SERIAL_FIRST = {"tests/vllm/": "vllm"}
+MAX_WORKERS = 4  # each worker holds torch, transformers and a model or two: about 1.5 GB
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +73,45 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         gc.collect()
         gc.freeze()
     stash[_LAST_MODULE] = module
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where it is not installed or -p no:xdist
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto`` (pyproject.toml's addopts): one worker per CPU this process may use, at most
+    ``MAX_WORKERS`` (``$PYTEST_XDIST_AUTO_NUM_WORKERS`` overrides; ``-n 0`` runs in this process)."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").isdigit():
+        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def work_unit(nodeid: str) -> str:
+    """What runs whole on one worker: the folder of ``SERIAL_FIRST`` the test is in, else its module."""
+    module = nodeid.split("::")[0]
+    return next((name for folder, name in SERIAL_FIRST.items() if module.startswith(folder)), module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With ``-n`` (``--dist load``, the default): each :func:`work_unit` whole on one worker, so a module's
+    fixtures are built once and vLLM's tests run one after another, in collection order (the longest chain
+    first: ``pytest_collection_modifyitems``). Another ``--dist`` is pytest-xdist's own."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The folders of ``SERIAL_FIRST`` first (stable: every module keeps its order), so that under xdist the
+    longest chain starts at once and the other workers fill in around it."""
+    first = set(SERIAL_FIRST.values())
+    items.sort(key=lambda item: work_unit(item.nodeid) not in first)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -128,16 +175,21 @@ class TimeBudget:
         self.shared_torn_down = False  # a shared fixture was finalized in the current phase
         self.shared_depth = 0
         self.shared_costs: dict[str, float] = defaultdict(float)  # what: seconds
+        self.phase_costs: dict[str, float] = defaultdict(float)  # what: seconds, in the current phase
+        self.xdist_controller = False  # set at the session's start, once pytest-xdist has registered
 
     def shared(self, what: str, seconds: float) -> None:
         """Count ``seconds`` spent inside a function-scoped fixture on something the session shares."""
         self.shared_costs[what] += seconds
+        self.phase_costs[what] += seconds
         self.shared_in_phase += seconds
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.start = time.perf_counter()
         self.session = session
+        # pytest-xdist's controller runs no test: it reads what the workers measured from their reports.
+        self.xdist_controller = session.config.pluginmanager.has_plugin("dsession")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
@@ -151,21 +203,36 @@ class TimeBudget:
             self.shared_depth -= 1
             if self.shared_depth == 0:  # a shared fixture set up inside another is counted once
                 took = time.perf_counter() - start
-                self.shared_costs[f"{fixturedef.argname} ({fixturedef.scope})"] += took
-                self.shared_in_phase += took
+                self.shared(f"{fixturedef.argname} ({fixturedef.scope})", took)
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> None:
         if fixturedef.scope != "function":
             self.shared_torn_down = True
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if "slow" not in report.keywords:
-            own = report.duration - self.shared_in_phase
-            if report.when == "teardown" and self.shared_torn_down:
-                own = 0.0  # the session's or a module's fixtures closed after this test: not its time
-            self.times[report.nodeid][report.when] = max(own, 0.0)
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+        """Written on the report where the fixtures ran (a worker, under xdist), read where it is logged: the
+        phase's own seconds, less its shared fixtures, and those fixtures' costs."""
+        report = yield
+        own = report.duration - self.shared_in_phase
+        if report.when == "teardown" and self.shared_torn_down:
+            own = 0.0  # the session's or a module's fixtures closed after this test: not its time
+        report.genlm_own_s = max(own, 0.0)  # type: ignore[attr-defined]  # kept by xdist's serialisation
+        report.genlm_shared_s = dict(self.phase_costs)  # type: ignore[attr-defined]
         self.shared_in_phase = 0.0
         self.shared_torn_down = False
+        self.phase_costs.clear()
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        own = getattr(report, "genlm_own_s", None)
+        if own is None:  # a report made without this plugin's makereport (a worker's crash)
+            return
+        if self.xdist_controller:  # the workers' fixtures: their costs arrive with the reports
+            for what, seconds in getattr(report, "genlm_shared_s", {}).items():
+                self.shared_costs[what] += seconds
+        if "slow" not in report.keywords:
+            self.times[report.nodeid.split("@")[0]][report.when] = own  # xdist appends "@group"
 
     @pytest.hookimpl(trylast=True)  # the run's time as late as it can be read, before pytest's last line
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:

@@ -5,6 +5,9 @@ this process. The session leaves most of a second core idle (engines starting, w
 processes), so the suites start as soon as collection ends, a few steps lower in CPU priority, and the
 tests that read their results (those that ask for ``on_genlm``) go last. The suites of ``ALONE`` (a test
 that times genlm's batcher against the wall clock) run last, when the others have ended.
+
+Under pytest-xdist every worker collects every test, and the other workers use the spare cores: there the
+suites start when the worker that runs their tests first asks for ``on_genlm``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from .client_suites import ALONE, SuiteRuns, start_all
 
 SUITE_RUNS = pytest.StashKey[SuiteRuns]()
 _ALONE = pytest.StashKey[list[str]]()
+_BESIDE = pytest.StashKey[list[str]]()
 _FOLDER = pytest.StashKey[Path]()
 
 
@@ -29,15 +33,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     items[:] = [item for item in items if item not in suites] + suites
     names = list(dict.fromkeys(item.callspec.params["name"] for item in suites))  # type: ignore[attr-defined]
-    config.stash[_FOLDER] = folder = Path(tempfile.mkdtemp(prefix="genlm-client-suites-"))
+    config.stash[_FOLDER] = Path(tempfile.mkdtemp(prefix="genlm-client-suites-"))
     config.stash[_ALONE] = [name for name in names if name in ALONE]
-    beside = [name for name in names if name not in ALONE]
-    config.stash[SUITE_RUNS] = start_all(beside, on_genlm=True, folder=folder, nice=10)
+    config.stash[_BESIDE] = [name for name in names if name not in ALONE]
+    if not hasattr(config, "workerinput"):  # one process runs the session: start them now, beside it
+        start_beside(config)
+
+
+def start_beside(config: pytest.Config) -> None:
+    config.stash[SUITE_RUNS] = start_all(config.stash[_BESIDE], on_genlm=True, folder=config.stash[_FOLDER], nice=10)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if SUITE_RUNS in config.stash:
         config.stash[SUITE_RUNS].stop()
+    if _FOLDER in config.stash:
         shutil.rmtree(config.stash[_FOLDER], ignore_errors=True)
 
 
@@ -45,6 +55,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def on_genlm(request: pytest.FixtureRequest) -> dict[str, dict[str, str]]:
     """Every selected suite's ``{test id: outcome}`` on genlm, once its processes have ended."""
     config = request.config
+    if SUITE_RUNS not in config.stash:  # a pytest-xdist worker: this one runs the suites' tests
+        start_beside(config)
     found = config.stash[SUITE_RUNS].outcomes()
     config.stash[SUITE_RUNS] = alone = start_all(config.stash[_ALONE], on_genlm=True, folder=config.stash[_FOLDER])
     return {**found, **alone.outcomes()}

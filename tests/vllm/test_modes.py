@@ -27,7 +27,7 @@ from genlm_core.testing import max_abs_diff as max_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 from genlm_vllm.rows import RpcRows, SharedMemoryRows
-from genlm_vllm.shm_files import leftover_files
+from genlm_vllm.shm_files import left_since, leftover_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}  # head_dim 64; 2 heads for TP=2
@@ -359,6 +359,6 @@ def test_killed_worker_fails_requests_and_cleanup_leaves_nothing(lm, request):
     psutil.wait_procs(engine_processes, timeout=30)
     assert [p.pid for p in engine_processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     assert leftover_files(os.getpid()) == []
-    assert shm_names() - before == set()  # vLLM's queue files of the dead processes too
+    assert left_since(before) == set()  # vLLM's queue files of the dead processes too
     with pytest.raises(ClosedError):
         asyncio.run(lm.next_token_logprobs([1]))

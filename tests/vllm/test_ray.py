@@ -27,6 +27,7 @@ from genlm_core.testing import check_lm_contract, max_abs_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
 from genlm_vllm.replicas import ReplicaError
+from genlm_vllm.shm_files import left_since
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -58,7 +59,7 @@ def cluster(shared_engine):
     yield nodes
     nodes.stop()
     assert nodes.processes() == []
-    assert set(os.listdir("/dev/shm")) - before == set()
+    assert left_since(before) == set()
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def ours_left(shm_before: set[str]) -> dict[str, object]:
     return {
         "actors": [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")])],
         "placement groups": groups,
-        "files": sorted(set(os.listdir("/dev/shm")) - shm_before),
+        "files": sorted(left_since(shm_before)),
     }
 
 

@@ -24,7 +24,7 @@ from genlm_vllm.environment import engine_env, threads_bind
 from genlm_vllm.layout import layout
 from genlm_vllm.mailbox import ROWS
 from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows
-from genlm_vllm.shm_files import EngineFiles, leftover_files
+from genlm_vllm.shm_files import EngineFiles, left_since, leftover_files
 from genlm_vllm.wire import SLOT, TAG, WRITING, Segment
 
 WIDTH = 10
@@ -350,6 +350,8 @@ def test_engine_files_removes_only_orphans_created_during_start(tmp_path, monkey
     )
     try:
         holder.stdout.readline()  # it holds the file open now
+        # what a leak check counts: made since, and used by no live process
+        assert left_since({"before"}) == {str(tmp_path / "psm_orphan"), str(tmp_path / "genlm-vllm-ours")}
         assert files.remove_orphans() == [str(tmp_path / "psm_orphan")]
     finally:
         holder.kill()

@@ -14,8 +14,8 @@ SHM_DIR = "/dev/shm"
 FILE_PREFIX = "genlm-vllm-"  #: every shared-memory file of ours starts with this
 
 
-def _in_use(paths: set[str]) -> set[str]:
-    """Which of ``paths`` some live process still maps or holds open."""
+def in_use(paths: set[str]) -> set[str]:
+    """Which of ``paths`` some live process still maps or holds open (a file nobody uses is left over)."""
     used: set[str] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -34,6 +34,23 @@ def _in_use(paths: set[str]) -> set[str]:
     return used
 
 
+def names(directory: str | None = None) -> set[str]:
+    """The names of the files in ``directory`` (``/dev/shm``) now."""
+    try:
+        return set(os.listdir(directory or SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def left_since(before: set[str], directory: str | None = None) -> set[str]:
+    """Paths of the files made in ``directory`` (``/dev/shm``) since it held the names ``before`` that no live
+    process uses: left behind. A file some live process still uses is that process's (another engine's, another
+    program's)."""
+    directory = directory or SHM_DIR
+    made = {os.path.join(directory, n) for n in names(directory) - before}
+    return made - in_use(made) if made else set()
+
+
 class EngineFiles:
     """The shared-memory files vLLM's processes create while an engine starts (message queues,
     CPU communicators, semaphores), so that :meth:`remove_orphans` can delete what a crashed or
@@ -41,19 +58,12 @@ class EngineFiles:
     process maps or holds open, are removed."""
 
     def __init__(self) -> None:
-        self._before = self._names()
+        self._before = names()
         self.created: set[str] = set()
-
-    @staticmethod
-    def _names() -> set[str]:
-        try:
-            return set(os.listdir(SHM_DIR))
-        except FileNotFoundError:
-            return set()
 
     def started(self) -> None:
         """Call once the engine is up: remember what it created."""
-        self.created = {os.path.join(SHM_DIR, n) for n in self._names() - self._before if not n.startswith("genlm-")}
+        self.created = {os.path.join(SHM_DIR, n) for n in names() - self._before if not n.startswith("genlm-")}
 
     def remove_orphans(self, grace: float = 0.0) -> list[str]:
         """Delete the engine's files that nothing uses any more; returns their paths. With ``grace``,
@@ -63,7 +73,7 @@ class EngineFiles:
         removed: list[str] = []
         while True:
             left = {p for p in self.created if os.path.exists(p)}
-            used = _in_use(left) if left else set()
+            used = in_use(left) if left else set()
             for path in sorted(left - used):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
