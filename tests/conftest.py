@@ -1,5 +1,5 @@
 """Shared fixtures: real offline tokenizers (built once per machine) and a fresh plugin manager; how the run
-is spread over worker processes (pytest-xdist: ``pytest_collection_modifyitems``); and the fast tier's time
+is spread over worker processes (pytest-xdist: ``pytest_xdist_make_scheduler``); and the fast tier's time
 budget (``TimeBudget``)."""
 
 from __future__ import annotations
@@ -170,25 +170,19 @@ class TimeBudget:
         self.start = time.perf_counter()
         self.session: pytest.Session | None = None
         self.times: dict[str, dict[str, float]] = defaultdict(dict)  # fast test: {phase: seconds}
-        self.shared_in_phase = 0.0  # seconds of shared set-up in the current phase
         self.shared_torn_down = False  # a shared fixture was finalized in the current phase
         self.shared_depth = 0
-        self.shared_costs: dict[str, float] = defaultdict(float)  # what: seconds
+        self.shared_costs: dict[str, float] = defaultdict(float)  # what: seconds, summed from the reports
         self.phase_costs: dict[str, float] = defaultdict(float)  # what: seconds, in the current phase
-        self.xdist_controller = False  # set at the session's start, once pytest-xdist has registered
 
     def shared(self, what: str, seconds: float) -> None:
         """Count ``seconds`` spent inside a function-scoped fixture on something the session shares."""
-        self.shared_costs[what] += seconds
         self.phase_costs[what] += seconds
-        self.shared_in_phase += seconds
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.start = time.perf_counter()
         self.session = session
-        # pytest-xdist's controller runs no test: it reads what the workers measured from their reports.
-        self.xdist_controller = session.config.pluginmanager.has_plugin("dsession")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest) -> Iterator[None]:
@@ -210,15 +204,14 @@ class TimeBudget:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
-        """Written on the report where the fixtures ran (a worker, under xdist), read where it is logged: the
-        phase's own seconds, less its shared fixtures, and those fixtures' costs."""
+        """Written on the report where the fixtures ran (a worker, under xdist), read where it is logged (the
+        controller, which runs no test): the phase's own seconds, less its shared fixtures, and their costs."""
         report = yield
-        own = report.duration - self.shared_in_phase
+        own = report.duration - sum(self.phase_costs.values())
         if report.when == "teardown" and self.shared_torn_down:
             own = 0.0  # the session's or a module's fixtures closed after this test: not its time
         report.genlm_own_s = max(own, 0.0)  # type: ignore[attr-defined]  # kept by xdist's serialisation
         report.genlm_shared_s = dict(self.phase_costs)  # type: ignore[attr-defined]
-        self.shared_in_phase = 0.0
         self.shared_torn_down = False
         self.phase_costs.clear()
         return report
@@ -227,11 +220,10 @@ class TimeBudget:
         own = getattr(report, "genlm_own_s", None)
         if own is None:  # a report made without this plugin's makereport (a worker's crash)
             return
-        if self.xdist_controller:  # the workers' fixtures: their costs arrive with the reports
-            for what, seconds in getattr(report, "genlm_shared_s", {}).items():
-                self.shared_costs[what] += seconds
+        for what, seconds in getattr(report, "genlm_shared_s", {}).items():
+            self.shared_costs[what] += seconds
         if "slow" not in report.keywords:
-            self.times[report.nodeid.split("@")[0]][report.when] = own  # xdist appends "@group"
+            self.times[report.nodeid][report.when] = own
 
     @pytest.hookimpl(trylast=True)  # the run's time as late as it can be read, before pytest's last line
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
