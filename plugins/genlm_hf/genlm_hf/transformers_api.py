@@ -149,14 +149,17 @@ def kv_cache(kv: KV | None, length: int | None = None) -> Any:
     if length is not None:
         cache.layers = [layer_with_room()(k, v, length) for k, v in kv]
         return cache
-    layers: list[Any] = []
-    for k, v in kv:  # full-attention layers (the only kind KV reuse runs on), filled as they are
-        layer = DynamicLayer()
-        layer.keys, layer.values, layer.dtype, layer.device = k, v, k.dtype, k.device
-        layer.is_initialized = True
-        layers.append(layer)
-    cache.layers = layers
+    # full-attention layers (the only kind KV reuse runs on), filled as they are
+    cache.layers = [filled(DynamicLayer(), k, v) for k, v in kv]
     return cache
+
+
+def filled(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """``layer`` (a transformers cache layer made with no argument) holding ``keys`` and ``values`` as they
+    are: its states set directly, no copy."""
+    layer.keys, layer.values, layer.dtype, layer.device = keys, values, keys.dtype, keys.device
+    layer.is_initialized = True
+    return layer
 
 
 def cache_states(cache: Any) -> KV:
@@ -175,9 +178,7 @@ def layer_with_room() -> type:
             super().__init__()
             self.room: tuple[torch.Tensor, torch.Tensor] | None = (keys, values)
             self.length = length  # positions of the room holding states
-            self.keys, self.values = keys[:, :, :length], values[:, :, :length]
-            self.dtype, self.device = keys.dtype, keys.device
-            self.is_initialized = True
+            filled(self, keys[:, :, :length], values[:, :, :length])
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             start, end = self.length, self.length + key_states.shape[-2]
