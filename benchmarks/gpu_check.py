@@ -620,7 +620,13 @@ def part_profile(part: Part, args: argparse.Namespace, shape: str) -> None:
                     for k, v in found["totals"].items()
                 ]
                 part.table("profile", f"{what}: totals", ["profiled", "ops/step", "self CPU", "self device"], totals)
-                part.numbers[f"N{n} p{length}"] = {"totals": found["totals"], "files": found["files"], "step": step}
+                calls = {side: {op: v["calls"] for op, v in ops.items()} for side, ops in found["ops"].items()}
+                part.numbers[f"N{n} p{length}"] = {
+                    "totals": found["totals"],
+                    "calls": calls,  # per op and step: the bare step's and the model call's
+                    "files": found["files"],
+                    "step": step,
+                }
                 if found["files"]:
                     part.note(f"full tables: {', '.join(found['files'])}")
                 lm.clear_cache()
