@@ -26,6 +26,7 @@ from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
+from genlm_vllm import process_start
 from genlm_vllm.rows import RpcRows, SharedMemoryRows
 from genlm_vllm.shm_files import left_since, leftover_files
 
@@ -43,7 +44,7 @@ MODES = {
     "tp2": {"engine_opts": {"tensor_parallel_size": 2}},
     "pp2": {"engine_opts": {"pipeline_parallel_size": 2}},  # eager: needs genlm_vllm.vllm_fixes on CPU
     "tp2-rpc": {"engine_opts": {"tensor_parallel_size": 2}, "capture": "rpc"},
-    "async-rpc": {"engine": "async", "capture": "rpc"},
+    "async-rpc": {"engine": "async", "capture": "rpc", "start_method": "spawn"},
 }
 ATOL = 1e-4
 THREADS_AFTER_START: dict[str, tuple[int, int]] = {}  # mode -> (torch threads before, after)
@@ -180,6 +181,21 @@ def test_layout_is_what_was_asked(lm):
     assert lm.driver.runner == "v1"  # vLLM's CPU build: the V1 runner, and its capture
     assert lay.capture == ("rpc" if lm.options.capture == "rpc" else "shm")
     assert lay.spawns and (lay.multiprocess or lay.world_size == 2)
+
+
+def test_engine_processes_start_as_asked(lm):
+    """start_method 'auto' on vLLM's CPU build: an engine core is forked from this process's fork server
+    (which imported vLLM once); tensor/pipeline-parallel workers, whose OpenMP affinity vLLM sets in their
+    environment at start, and everything of an engine asked to spawn, are spawned by this process."""
+    processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    cores = [p for p in processes if p.name().startswith("VLLM::EngineCore")]
+    assert len(cores) == lm.driver.layout.multiprocess
+    server = process_start._server_pid
+    forked = lm.options.start_method == "auto"
+    for core in cores:
+        assert core.ppid() == (server if forked else os.getpid()), (core.name(), server)
+    for worker in (p for p in processes if p not in cores):
+        assert worker.ppid() in {os.getpid(), *(core.pid for core in cores)}, worker.name()
 
 
 def test_the_callers_torch_threads_are_left_as_they_were(lm, request):

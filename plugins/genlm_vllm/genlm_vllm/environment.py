@@ -1,9 +1,11 @@
-"""The environment an engine starts with: CPU thread binding for its workers, the process start
-method, the Ray cluster to join, and the model runner (see :func:`engine_start`)."""
+"""The environment an engine starts with: CPU thread binding for its workers, how its processes start
+(spawned, or forked from a fork server: :mod:`genlm_vllm.process_start`), the Ray cluster to join, and
+the model runner (see :func:`engine_start`)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 
 from genlm_vllm import vllm_api
 from genlm_vllm.layout import Layout
+from genlm_vllm.process_start import forkserver_context
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +88,26 @@ def _connected_ray_address() -> str | None:
     return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
+def start_method(choice: str) -> str:
+    """``"spawn"`` or ``"forkserver"``: how the processes of an engine whose options say ``choice``
+    start; ``"auto"`` forks them from a fork server on vLLM's CPU build (where importing vLLM in each
+    spawned process is most of an engine's start), and spawns them on CUDA."""
+    if choice == "auto":
+        return "forkserver" if vllm_api.on_cpu_build() else "spawn"
+    if choice not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={choice!r}: use 'auto', 'spawn' or 'forkserver'")
+    return choice
+
+
 @contextlib.contextmanager
-def engine_start(lay: Layout, runner: str | None = None) -> Iterator[None]:
+def engine_start(lay: Layout, runner: str | None = None, processes: str = "spawn") -> Iterator[None]:
     """Start an engine in ``lay``: set ``engine_env(lay, runner)`` while it starts (its processes inherit
-    it), then restore ours. vLLM caches its settings once an engine has started in this process:
-    that cache is dropped first. An engine whose model runs in other processes leaves this
-    process's torch thread count as it was (vLLM's executor sets it to 1 for itself, which would
-    slow the caller's own torch work and break a later in-process CPU engine). See also
+    it), then restore ours. With ``processes="forkserver"``, the processes vLLM would spawn are forked
+    from this process's fork server instead (spawned where it cannot serve them: see
+    :func:`~genlm_vllm.process_start.forkserver_context`). vLLM caches its settings once an engine has
+    started in this process: that cache is dropped first. An engine whose model runs in other processes
+    leaves this process's torch thread count as it was (vLLM's executor sets it to 1 for itself, which
+    would slow the caller's own torch work and break a later in-process CPU engine). See also
     :func:`hidden_from_vllm_kernel_scan`."""
     import torch
 
@@ -101,7 +117,14 @@ def engine_start(lay: Layout, runner: str | None = None) -> Iterator[None]:
     threads = torch.get_num_threads()
     os.environ.update(env)
     try:
-        with hidden_from_vllm_kernel_scan():
+        choose = None
+        # vLLM's CPU build sets each worker's OpenMP affinity in its environment at start, so a fork
+        # server would serve only an engine core or a data-parallel coordinator there
+        forked = lay.multiprocess or lay.data_parallel > 1 or not vllm_api.on_cpu_build()
+        if lay.spawns and processes == "forkserver" and forked:
+            modules = vllm_api.engine_process_modules()
+            choose = functools.partial(forkserver_context, modules)
+        with hidden_from_vllm_kernel_scan(), vllm_api.processes_from(choose):
             yield
     finally:
         for key, value in saved.items():

@@ -59,6 +59,15 @@ class VLLMOptions(BackendOptions):
         description="Run vLLM's engine core in a process of its own (vLLM's default). None: no for 'llm' "
         "(in-process is faster on few cores), yes for 'async' (AsyncLLM always does).",
     )
+    start_method: Literal["auto", "spawn", "forkserver"] = Field(
+        "auto",
+        description="How the engine's own processes start (its engine core, TP/PP workers, data-parallel "
+        "coordinator). 'spawn': a fresh interpreter each, which imports vLLM again (about 10 s of CPU each on "
+        "vLLM's CPU build). 'forkserver': forked from one server process per caller that imports vLLM once, each "
+        "with the caller's environment at its start (spawned instead where the variables an interpreter reads "
+        "when it starts, such as PYTHONPATH, changed since the server started). 'auto': forkserver on vLLM's CPU "
+        "build, spawn on CUDA (where forkserver has not yet been verified).",
+    )
     capture: Literal["auto", "local", "shm", "rpc"] = Field(
         "auto",
         description="How rows come back from the engine: 'local' (engine in this process), 'shm' (shared-memory "

@@ -23,12 +23,14 @@ runner; no ``call_utility_all_async``; no KV cache manager bound to a KV connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
 import logging
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -201,6 +203,56 @@ def untested_release(dist: str | None = None, found: str | None = None) -> str |
 def on_cpu_build() -> bool:
     """Whether vLLM runs on the CPU here (its CPU build, or no CUDA device)."""
     return bool(loaded().current_platform.is_cpu())
+
+
+# ---- how the engine's processes start -----------------------------------------------------------
+
+#: Modules that import vLLM's ``get_mp_context`` (the multiprocessing context its engine core, workers
+#: and data-parallel coordinator start from); those this release has are imported before a start.
+MP_CONTEXT_USERS = ("vllm.v1.engine.utils", "vllm.v1.executor.multiproc_executor", "vllm.v1.engine.coordinator")
+
+
+def engine_process_modules() -> list[str]:
+    """What vLLM's own processes run, for a fork server to import once: the engine core, the
+    multiprocess executor's workers and this platform's worker."""
+    worker = "vllm.v1.worker.cpu_worker" if on_cpu_build() else "vllm.v1.worker.gpu_worker"
+    return ["vllm.v1.engine.core", "vllm.v1.executor.multiproc_executor", worker]
+
+
+@contextlib.contextmanager
+def processes_from(choose: Callable[[], Any] | None) -> Iterator[None]:
+    """While an engine starts: each process vLLM would spawn starts from the context ``choose()``
+    returns when vLLM asks for one (None, or ``choose`` None: spawned, as vLLM would). vLLM takes its
+    context from ``vllm.utils.system_utils.get_mp_context`` (spawn, as genlm-vllm asks, or fork if its
+    own checks allow it), after it has set what its processes inherit (its CPU build puts its
+    allocator and OpenMP library in ``LD_PRELOAD``); every loaded vLLM module holding that function is
+    given one that asks ``choose`` where vLLM's would spawn, and the original is put back after."""
+    if choose is None:
+        yield
+        return
+    from vllm.utils import system_utils
+
+    original = system_utils.get_mp_context
+    for name in MP_CONTEXT_USERS:
+        with contextlib.suppress(ModuleNotFoundError):
+            __import__(name)
+
+    def get_mp_context() -> Any:
+        found = original()
+        return (choose() or found) if found.get_start_method() == "spawn" else found
+
+    holders: list[Any] = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("vllm.") and getattr(module, "get_mp_context", None) is original
+    ]
+    for module in holders:
+        module.get_mp_context = get_mp_context
+    try:
+        yield
+    finally:
+        for module in holders:
+            module.get_mp_context = original
 
 
 # ---- settings: model runner, async scheduling ----------------------------------------------------
@@ -828,6 +880,7 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("outputs.py", "CompletionOutput", attributes=("token_ids", "logprobs")),
     Interface("logprobs.py", "Logprob", attributes=("logprob",)),
     Interface("envs.py", "disable_envs_cache"),
+    Interface("utils/system_utils.py", "get_mp_context"),
     Interface("engine/arg_utils.py", "EngineArgs.create_engine_config"),
     # the two logits-processor interfaces (genlm_vllm.capture)
     Interface(
