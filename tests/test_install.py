@@ -46,7 +46,11 @@ def checked(*cmd: object, **kwargs: object) -> str:
 
 
 def pip(python: Path, *args: object) -> None:
-    checked(python, "-m", "pip", *args, "-q")
+    """``pip *args`` in ``python``'s virtualenv; an install there writes no bytecode (``--no-compile``): the
+    packages are the same, Python compiles what it imports, and compiling every module of torch and
+    transformers ahead took about 16 CPU-s of torch's install alone here."""
+    extra = ["--no-compile"] if args[:1] == ("install",) else []
+    checked(python, "-m", "pip", *args, *extra, "-q")
 
 
 @pytest.fixture(scope="module")
