@@ -14,8 +14,17 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The tests' tiny vLLM model (head dim 64, as vLLM's CPU attention needs) and a small engine for it.
+TINY_VLLM_MODEL: dict[str, Any] = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+TINY_VLLM_ENGINE: dict[str, Any] = {
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 256 * 2**20,
+    "enforce_eager": True,
+}
 
 
 def seed_python() -> str | None:

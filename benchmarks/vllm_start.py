@@ -19,17 +19,13 @@ import statistics
 import time
 from typing import Any
 
+from _common import TINY_VLLM_ENGINE, TINY_VLLM_MODEL
+
 from genlm_core import load_model_by_name
 from genlm_core.cli import table
 from genlm_core.testing.models import tiny_model_dir
 
-MODEL: dict[str, Any] = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
-ENGINE = {
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 512,
-    "kv_cache_memory_bytes": 256 * 2**20,
-    "enforce_eager": True,
-}
+MODEL, ENGINE = TINY_VLLM_MODEL, TINY_VLLM_ENGINE
 LAYOUTS: dict[str, dict[str, Any]] = {
     "multiprocess": {"multiprocess": True},
     "async": {"engine": "async"},
