@@ -88,23 +88,26 @@ def _connected_ray_address() -> str | None:
     return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
 
 
-def start_method(choice: str) -> str:
-    """``"spawn"`` or ``"forkserver"``: how the processes of an engine whose options say ``choice``
-    start; ``"auto"`` forks them from a fork server on vLLM's CPU build (where importing vLLM in each
-    spawned process is most of an engine's start), and spawns them on CUDA."""
-    if choice == "auto":
-        return "forkserver" if vllm_api.on_cpu_build() else "spawn"
-    if choice not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method={choice!r}: use 'auto', 'spawn' or 'forkserver'")
-    return choice
+def forks_from_server(lay: Layout, start_method: str) -> bool:
+    """Whether the processes of an engine laid out as ``lay``, whose options say ``start_method``, are
+    forked from the fork server. ``"auto"`` forks on vLLM's CPU build (where importing vLLM in each
+    spawned process is most of an engine's start) and spawns on CUDA. vLLM's CPU build sets each
+    worker's OpenMP affinity in its environment at start, so there a fork server serves only an engine
+    core or a data-parallel coordinator."""
+    if not lay.spawns or start_method == "spawn":
+        return False
+    cpu = vllm_api.on_cpu_build()
+    if start_method == "auto" and not cpu:
+        return False
+    return not cpu or lay.multiprocess or lay.data_parallel > 1
 
 
 @contextlib.contextmanager
-def engine_start(lay: Layout, runner: str | None = None, processes: str = "spawn") -> Iterator[None]:
+def engine_start(lay: Layout, runner: str | None = None, start_method: str = "spawn") -> Iterator[None]:
     """Start an engine in ``lay``: set ``engine_env(lay, runner)`` while it starts (its processes inherit
-    it), then restore ours. With ``processes="forkserver"``, the processes vLLM would spawn are forked
-    from this process's fork server instead (spawned where it cannot serve them: see
-    :func:`~genlm_vllm.process_start.forkserver_context`). vLLM caches its settings once an engine has
+    it), then restore ours. Where :func:`forks_from_server` says so for ``start_method``, the processes
+    vLLM would spawn are forked from this process's fork server instead (spawned where it cannot serve
+    them: see :func:`~genlm_vllm.process_start.forkserver_context`). vLLM caches its settings once an engine has
     started in this process: that cache is dropped first. An engine whose model runs in other processes
     leaves this process's torch thread count as it was (vLLM's executor sets it to 1 for itself, which
     would slow the caller's own torch work and break a later in-process CPU engine). See also
@@ -118,12 +121,8 @@ def engine_start(lay: Layout, runner: str | None = None, processes: str = "spawn
     os.environ.update(env)
     try:
         choose = None
-        # vLLM's CPU build sets each worker's OpenMP affinity in its environment at start, so a fork
-        # server would serve only an engine core or a data-parallel coordinator there
-        forked = lay.multiprocess or lay.data_parallel > 1 or not vllm_api.on_cpu_build()
-        if lay.spawns and processes == "forkserver" and forked:
-            modules = vllm_api.engine_process_modules()
-            choose = functools.partial(forkserver_context, modules)
+        if forks_from_server(lay, start_method):
+            choose = functools.partial(forkserver_context, vllm_api.engine_process_modules())
         with hidden_from_vllm_kernel_scan(), vllm_api.processes_from(choose):
             yield
     finally:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from genlm_vllm.driver import EngineDriver
 from genlm_vllm.engine_args import engine_kwargs
-from genlm_vllm.environment import engine_start, start_method
+from genlm_vllm.environment import engine_start
 from genlm_vllm.layout import Layout
 from genlm_vllm.main_guard import check_main_guard
 from genlm_vllm.options import VLLMOptions
@@ -43,7 +43,7 @@ def launch(
     kwargs = engine_kwargs(model, options, lay, runner)
     log.info("starting vLLM engine for %s (%s; model runner %s)", model, lay.describe(), runner.upper())
     files = EngineFiles() if lay.spawns else None
-    with engine_start(lay, runner, start_method(options.start_method)):
+    with engine_start(lay, runner, options.start_method):
         engine = start_engine(kwargs)
     driver = make_driver(engine)
     if files is not None:

@@ -20,7 +20,7 @@ each is handled here:
   ``OMP_NUM_THREADS`` differs from the server's sets it with ``torch.set_num_threads``.
 
 Nothing here imports vLLM; which modules the server imports is the caller's choice
-(:data:`genlm_vllm.vllm_api.ENGINE_PROCESS_MODULES`).
+(:func:`genlm_vllm.vllm_api.engine_process_modules`).
 """
 
 from __future__ import annotations
