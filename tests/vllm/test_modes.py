@@ -44,7 +44,7 @@ MODES = {
     "tp2": {"engine_opts": {"tensor_parallel_size": 2}},
     "pp2": {"engine_opts": {"pipeline_parallel_size": 2}},  # eager: needs genlm_vllm.vllm_fixes on CPU
     "tp2-rpc": {"engine_opts": {"tensor_parallel_size": 2}, "capture": "rpc"},
-    "async-rpc": {"engine": "async", "capture": "rpc", "start_method": "spawn"},
+    "async-rpc": {"engine": "async", "capture": "rpc", "start_method": "spawn", "worker_wait": "spin"},
 }
 ATOL = 1e-4
 THREADS_AFTER_START: dict[str, tuple[int, int]] = {}  # mode -> (torch threads before, after)
@@ -196,6 +196,27 @@ def test_engine_processes_start_as_asked(lm):
         assert core.ppid() == (server if forked else os.getpid()), (core.name(), server)
     for worker in (p for p in processes if p not in cores):
         assert worker.ppid() in {os.getpid(), *(core.pid for core in cores)}, worker.name()
+
+
+def test_workers_nap_between_steps_unless_asked_to_spin(lm):
+    """worker_wait 'auto' on vLLM's CPU build: in the second after a step, when vLLM's workers would spin
+    for the next one, they sleep between checks and use almost no CPU; the layout that asks for 'spin'
+    (vLLM's own wait) keeps a core busy meanwhile."""
+    workers = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::Worker")]
+    assert workers
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in workers)
+
+    lm.clear_cache()
+    lm.next_token_logprobs_sync([1, 2, 3])
+    before = cpu_seconds()
+    time.sleep(0.8)  # within the second after the step
+    used = cpu_seconds() - before
+    if lm.options.worker_wait == "spin":
+        assert used > 0.25, used
+    else:
+        assert used < 0.15, used
 
 
 def test_the_callers_torch_threads_are_left_as_they_were(lm, request):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -207,6 +208,31 @@ def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere()
     for asked in ({"async_scheduling": True}, {"engine_opts": {"async_scheduling": True}}):
         with pytest.raises(OptionsError, match="cannot run live sessions"):
             VLLMOptions(**asked)
+
+
+def test_workers_nap_on_the_cpu_build_and_only_where_there_are_workers(monkeypatch):
+    """VLLMOptions.worker_wait: the nap travels to the workers in vLLM's additional_config, for layouts
+    with worker processes only, merged under the user's own additional_config; 'auto' follows the build."""
+    from genlm_vllm import vllm_api
+    from genlm_vllm.engine_args import NAP_S, engine_kwargs
+    from genlm_vllm.wire import WORKER_NAP, worker_nap
+
+    def settings(**options):
+        opts = VLLMOptions(**options)
+        return engine_kwargs("m", opts, layout(opts), "v1").get("additional_config")
+
+    workers = ({"multiprocess": True}, {"engine_opts": {"tensor_parallel_size": 2}}, {"engine": "async"})
+    for asked in workers:
+        assert settings(**asked) == {WORKER_NAP: NAP_S}, asked  # auto, on vLLM's CPU build here
+        assert settings(**asked, worker_wait="spin") is None
+    assert settings() is None and settings(worker_wait="nap") is None  # in-process: no worker waits
+    mine = {"engine_opts": {"tensor_parallel_size": 2, "additional_config": {"mine": 1, WORKER_NAP: 0.002}}}
+    assert settings(**mine) == {"mine": 1, WORKER_NAP: 0.002}  # theirs over ours
+    assert worker_nap(SimpleNamespace(additional_config=settings(**mine))) == 0.002
+    assert worker_nap(SimpleNamespace(additional_config={})) is None
+    monkeypatch.setattr(vllm_api, "on_cpu_build", lambda: False)  # CUDA: vLLM's own spin unless asked
+    assert settings(multiprocess=True) is None
+    assert settings(multiprocess=True, worker_wait="nap") == {WORKER_NAP: NAP_S}
 
 
 def test_the_capture_follows_the_runner_and_the_runner_is_checked_after_start(monkeypatch):

@@ -11,7 +11,8 @@ in-process engine, vLLM's engine-core process, each tensor/pipeline-parallel wor
 caller's, where its input processor validates requests against the processor class. Importing it
 changes nothing; constructing a processor (once per model runner, when the engine starts in that
 process and before its first forward pass) applies :func:`~genlm_vllm.vllm_fixes.apply_cpu_fixes`
-there, the one hook vLLM gives us in every worker. The caller's side of the protocol (keys, slot
+there, the one hook vLLM gives us in every worker, and sets how the worker waits for the engine's next
+step (:data:`~genlm_vllm.wire.WORKER_NAP`). The caller's side of the protocol (keys, slot
 file, fingerprints) is :mod:`genlm_vllm.wire`.
 
 Requests are matched by the tag in ``SamplingParams.extra_args`` (never by row order), so it does
@@ -48,6 +49,7 @@ from genlm_vllm.vllm_api import (
     V1LogitsProcessor,
     V2LogitsProcessor,
     group_path,
+    nap_while_waiting,
     parallel_ranks,
 )
 from genlm_vllm.vllm_fixes import apply_cpu_fixes
@@ -60,12 +62,22 @@ from genlm_vllm.wire import (
     Segment,
     context_fingerprint,
     fingerprint_positions,
+    worker_nap,
 )
 
 log = logging.getLogger(__name__)
 
 ROWS_WRITTEN = 0  #: rows this process has written (on the writing rank), for genlm_where
 _segments: dict[str, Segment] = {}
+
+
+def set_up_this_process(vllm_config: Any) -> None:
+    """What a process that runs the model needs before its first forward pass: vLLM's CPU fixes, and
+    the worker's wait for the next step that the engine was started with."""
+    apply_cpu_fixes()
+    nap = worker_nap(vllm_config)
+    if nap is not None:
+        nap_while_waiting(nap)
 
 
 def is_row_writer() -> bool:
@@ -118,7 +130,7 @@ class CaptureLogits(V1LogitsProcessor):
     moved); the row kept is the one produced while the request has no output token yet."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
-        apply_cpu_fixes()  # the engine starts in this process: its model runner builds us first
+        set_up_this_process(vllm_config)  # the engine starts in this process: its model runner builds us first
         #: batch index -> (extra args, output ids), for tagged requests whose context is the one asked for
         self.slots: dict[int, tuple[dict[str, Any], list[int]]] = {}
         self.writer: bool | None = None  # decided at the first row: process groups exist by then
@@ -175,7 +187,7 @@ class CaptureLogitsV2(V2LogitsProcessor):
     rows too), taken once. Token history lives on the device; the context's hash is checked there."""
 
     def __init__(self, vllm_config: Any, req_states: LogitsProcRequestState):
-        apply_cpu_fixes()  # the engine starts in this process: its model runner builds us first
+        set_up_this_process(vllm_config)  # the engine starts in this process: its model runner builds us first
         self.req_states = req_states
         self.wanted: dict[int, _Wanted] = {}  # slot -> the row this request wants
         self.writer: bool | None = None

@@ -3,7 +3,8 @@
 Ours plug our engine-side code in by name (:mod:`genlm_vllm.wire`): the capture processor for the
 model runner, the worker extension that brings rows back by RPC, and, for live sessions, the fork
 connector. The rest follows :class:`~genlm_vllm.VLLMOptions` (dtype, memory, block size, LoRA, async
-scheduling); ``engine_opts`` go over everything.
+scheduling, how workers wait: :data:`~genlm_vllm.wire.WORKER_NAP` in ``additional_config``);
+``engine_opts`` go over everything (an ``additional_config`` of theirs is merged over ours).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Any
 from genlm_vllm import vllm_api
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, EXTENSION, PROCESSORS
+from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, EXTENSION, PROCESSORS, WORKER_NAP
 
 #: The smallest KV block vLLM's CPU attention accepts (it takes multiples of 32; its default is 128).
 CPU_BLOCK_SIZE = 32
+#: How long a napping worker sleeps between checks for the next step (``worker_wait="nap"``).
+NAP_S = 0.0005
 
 
 def engine_kwargs(model: str, options: VLLMOptions, lay: Layout, runner: str | None = None) -> dict[str, Any]:
@@ -47,5 +50,17 @@ def engine_kwargs(model: str, options: VLLMOptions, lay: Layout, runner: str | N
         kwargs["worker_extension_cls"] = EXTENSION  # rows by RPC, and genlm_where() for checking a cluster
     elif lay.capture == "rpc":
         raise ValueError("capture='rpc' needs worker_extension_cls for itself; drop yours from engine_opts")
+    ours = {WORKER_NAP: NAP_S} if naps(options, lay) else {}
     kwargs.update(options.engine_opts)
+    theirs = options.engine_opts.get("additional_config")
+    if ours and (theirs is None or isinstance(theirs, dict)):
+        kwargs["additional_config"] = {**ours, **(theirs or {})}
     return kwargs
+
+
+def naps(options: VLLMOptions, lay: Layout) -> bool:
+    """Whether the workers of an engine laid out as ``lay`` nap between checks for the next step
+    (:attr:`~genlm_vllm.VLLMOptions.worker_wait`): only an engine with worker processes has any."""
+    if not (lay.spawns or lay.ray) or options.worker_wait == "spin":
+        return False
+    return options.worker_wait == "nap" or vllm_api.on_cpu_build()

@@ -69,6 +69,15 @@ class VLLMOptions(BackendOptions):
         "build, spawn on CUDA (where forkserver has not yet been verified). The fork server stays up while the caller "
         "runs, with vLLM imported (about 0.75 GB on the CPU build).",
     )
+    worker_wait: Literal["auto", "spin", "nap"] = Field(
+        "auto",
+        description="How the engine's worker processes wait for its next step, in the second after each one. "
+        "'spin': vLLM's own wait, a busy loop that yields the core only when another process asks for it. 'nap': "
+        "a worker sleeps 0.5 ms between checks (an idle worker uses about 1% of a core; a step may start up to "
+        "0.5 ms later). 'auto': nap on vLLM's CPU build, where the workers share their cores with the caller and "
+        "whatever else runs there, spin elsewhere. Engines without worker processes (in-process, TP=PP=1) are "
+        "not affected.",
+    )
     capture: Literal["auto", "local", "shm", "rpc"] = Field(
         "auto",
         description="How rows come back from the engine: 'local' (engine in this process), 'shm' (shared-memory "

@@ -30,6 +30,7 @@ import importlib.util
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -633,6 +634,34 @@ def group_path(group: Any) -> str:
     return "shm" if shm else "torch.distributed"
 
 
+def nap_while_waiting(seconds: float) -> bool:
+    """In this process, a reader of vLLM's shared-memory message queues (a worker waiting for the
+    engine's next step) sleeps ``seconds`` between checks for its next message, where vLLM spins
+    (``sched_yield`` in a loop) for its first second after each message. After that second both wait
+    as vLLM does: for the writer's notification. Idempotent; the last ``seconds`` holds. Returns
+    False where this vLLM has no such queue (nothing is changed then)."""
+    global _nap_s
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return False
+    if _nap_s is None:
+        spin_wait = SpinCondition.wait
+
+        def wait(self: Any, timeout_ms: int | None = None) -> None:
+            if self.is_reader and time.monotonic() <= self.last_read + self.busy_loop_s:
+                time.sleep(_nap_s or 0.0)  # where vLLM calls sched_yield(): a core kept busy
+                return
+            spin_wait(self, timeout_ms)
+
+        setattr(SpinCondition, "wait", wait)  # noqa: B010 (mypy: a method)
+    _nap_s = seconds
+    return True
+
+
+_nap_s: float | None = None  #: the nap of nap_while_waiting, once it has patched this process
+
+
 def copy_kv_blocks(kv_caches: list[Any], num_blocks: int, copies: list[Any]) -> None:
     """vLLM's in-place KV block copy (every layer), on the worker."""
     from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
@@ -953,6 +982,12 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("v1/core/sched/scheduler.py", "Scheduler._update_request_as_session", ("session", "update")),
     Interface("v1/core/sched/scheduler.py", "Scheduler", attributes=("hash_block_size",)),
     Interface("v1/request.py", "Request", attributes=("block_hashes", "update_block_hashes")),
+    Interface(
+        "distributed/device_communicators/shm_broadcast.py",
+        "SpinCondition",
+        attributes=("wait", "is_reader", "last_read", "busy_loop_s"),
+    ),
+    Interface("distributed/device_communicators/shm_broadcast.py", "SpinCondition.wait", ("timeout_ms",)),
     Interface("distributed/parallel_state.py", "get_tp_group"),
     Interface("distributed/parallel_state.py", "get_pp_group"),
 )

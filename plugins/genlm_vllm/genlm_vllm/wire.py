@@ -8,6 +8,7 @@ imports neither vLLM nor anything that does, and does nothing at import.
   :data:`CONTEXT`, :data:`NORMALISE`, :data:`ON_DEVICE`, :data:`FORK`).
 - The names vLLM loads our engine-side code by, in each of its processes (:data:`PROCESSORS`,
   :data:`EXTENSION`, :data:`CONNECTOR` in :data:`CONNECTOR_MODULE`).
+- What the engine's processes are set up with, in vLLM's ``additional_config`` (:data:`WORKER_NAP`).
 - A context's fingerprint (:func:`context_fingerprint`), which the engine checks a request runs on.
 - :class:`Segment`, the shared-memory file of row slots the caller owns and the engine writes.
 """
@@ -15,6 +16,7 @@ imports neither vLLM nor anything that does, and does nothing at import.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +40,20 @@ EXTENSION = "genlm_vllm.capture.RowsExtension"
 #: The KV connector that lets forks copy their parent's unfinished block (``kv_transfer_config``).
 CONNECTOR = "ForkConnector"
 CONNECTOR_MODULE = "genlm_vllm.forks"
+
+# ---- settings for the engine's processes, in vLLM's additional_config -------------------------------
+
+#: Seconds a worker sleeps between checks for the engine's next step, where vLLM would spin
+#: (:attr:`genlm_vllm.VLLMOptions.worker_wait`); absent: vLLM's own wait.
+WORKER_NAP = "genlm_worker_nap_s"
+
+
+def worker_nap(vllm_config: Any) -> float | None:
+    """The :data:`WORKER_NAP` an engine was started with (None: vLLM's own wait)."""
+    settings = getattr(vllm_config, "additional_config", None)
+    value = settings.get(WORKER_NAP) if isinstance(settings, dict) else None
+    return None if value is None else float(value)
+
 
 # ---- context fingerprints -------------------------------------------------------------------------
 
