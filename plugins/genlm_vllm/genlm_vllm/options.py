@@ -73,7 +73,7 @@ class VLLMOptions(BackendOptions):
         "auto",
         description="How the engine's worker processes wait for its next step, in the second after each one. "
         "'spin': vLLM's own wait, a busy loop that yields the core only when another process asks for it. 'nap': "
-        "a worker sleeps 0.5 ms between checks (an idle worker uses about 1% of a core; a step may start up to "
+        "a worker sleeps 0.5 ms between checks (about a tenth of a core while it waits; a step may start up to "
         "0.5 ms later). 'auto': nap on vLLM's CPU build, where the workers share their cores with the caller and "
         "whatever else runs there, spin elsewhere. Engines without worker processes (in-process, TP=PP=1) are "
         "not affected.",
