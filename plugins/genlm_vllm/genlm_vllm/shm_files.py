@@ -14,11 +14,12 @@ SHM_DIR = "/dev/shm"
 FILE_PREFIX = "genlm-vllm-"  #: every shared-memory file of ours starts with this
 
 
-def in_use(paths: set[str]) -> set[str]:
-    """Which of ``paths`` some live process still maps or holds open (a file nobody uses is left over)."""
+def in_use(paths: set[str], other_than: int | None = None) -> set[str]:
+    """Which of ``paths`` some live process (other than process ``other_than``) still maps or holds
+    open; a file nobody uses is left over."""
     used: set[str] = set()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or int(pid) == other_than:
             continue
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
@@ -42,13 +43,13 @@ def names(directory: str | None = None) -> set[str]:
         return set()
 
 
-def left_since(before: set[str], directory: str | None = None) -> set[str]:
+def left_since(before: set[str], directory: str | None = None, other_than: int | None = None) -> set[str]:
     """Paths of the files made in ``directory`` (``/dev/shm``) since it held the names ``before`` that no live
-    process uses: left behind. A file some live process still uses is that process's (another engine's, another
-    program's)."""
+    process (other than ``other_than``) uses: left behind. A file some live process still uses is that process's
+    (another engine's, another program's)."""
     directory = directory or SHM_DIR
     made = {os.path.join(directory, n) for n in names(directory) - before}
-    return made - in_use(made) if made else set()
+    return made - in_use(made, other_than) if made else set()
 
 
 class EngineFiles:
@@ -66,14 +67,17 @@ class EngineFiles:
         self.created = {os.path.join(SHM_DIR, n) for n in names() - self._before if not n.startswith("genlm-")}
 
     def remove_orphans(self, grace: float = 0.0) -> list[str]:
-        """Delete the engine's files that nothing uses any more; returns their paths. With ``grace``,
-        wait up to that many seconds for processes that still use some to exit (Ray kills actors
+        """Once the engine is closed: delete its files that no other process uses; returns their paths.
+        This process's own hold does not keep one: vLLM's pipeline-parallel engine over Ray keeps a
+        message queue of the caller's referenced after its shutdown, and its file stayed in ``/dev/shm``
+        (240 MB) after the caller exited; the mapping stays valid until then. With ``grace``, wait up to
+        that many seconds for other processes that still use some to exit (Ray kills actors
         asynchronously)."""
         deadline = time.monotonic() + grace
         removed: list[str] = []
         while True:
             left = {p for p in self.created if os.path.exists(p)}
-            used = in_use(left) if left else set()
+            used = in_use(left, other_than=os.getpid()) if left else set()
             for path in sorted(left - used):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
