@@ -27,6 +27,14 @@ TINY_VLLM_ENGINE: dict[str, Any] = {
 }
 
 
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (every core; idle and iowait left out):
+    the difference over a run is its busy CPU, from ``/proc/stat`` (run it on a quiet machine)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def seed_python() -> str | None:
     """The seed venv's interpreter, or None when it is not installed."""
     path = os.environ.get("GENLM_SEED_PYTHON", str(ROOT / ".seedvenv" / "bin" / "python"))

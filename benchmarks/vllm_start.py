@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import TINY_VLLM_ENGINE, TINY_VLLM_MODEL
+from _common import TINY_VLLM_ENGINE, TINY_VLLM_MODEL, busy_cpu_seconds
 
 from genlm_core import load_model_by_name
 from genlm_core.cli import table
@@ -31,14 +31,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "async": {"engine": "async"},
     "tp2": {"engine_opts": {**ENGINE, "tensor_parallel_size": 2}},
 }
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (every core, idle and iowait left out)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]
-    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def one_start(path: str, layout: str, method: str) -> dict[str, float]:

@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing
-import os
 import random
 import statistics
 import time
 from typing import Any
 
-from _common import TINY_VLLM_ENGINE, TINY_VLLM_MODEL
+from _common import TINY_VLLM_ENGINE, TINY_VLLM_MODEL, busy_cpu_seconds
 
 from genlm_core import load_model_by_name
 from genlm_core.cli import table
@@ -40,13 +39,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"engine_opts": {**TINY_VLLM_ENGINE, "tensor_parallel_size": 2}},
 }
 METHODS = ("spin", "nap")
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (every core, idle and iowait left out)."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def work(ms: float) -> None:

@@ -236,8 +236,6 @@ def test_workers_nap_on_the_cpu_build_and_only_where_there_are_workers(monkeypat
 
 
 def test_the_capture_follows_the_runner_and_the_runner_is_checked_after_start(monkeypatch):
-    from types import SimpleNamespace
-
     from genlm_vllm import vllm_api
     from genlm_vllm.engine_args import engine_kwargs
     from genlm_vllm.launch import check_started
