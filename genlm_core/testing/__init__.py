@@ -39,9 +39,22 @@ def concurrent_logprobs(lm: AsyncLM, contexts: Sequence[Sequence[int]]) -> list[
     return asyncio.run(gather())
 
 
-def max_abs_diff(rows: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> float:
-    """Largest absolute difference between paired logprob vectors (in float64)."""
-    return max((a.double() - b.double()).abs().max().item() for a, b in zip(rows, others))
+def max_abs_diff(rows: torch.Tensor | Sequence[torch.Tensor], others: torch.Tensor | Sequence[torch.Tensor]) -> float:
+    """Largest absolute difference, in float64, between two rows (1-D tensors) or between two batches of
+    rows (2-D tensors or sequences of rows) paired in order. Shapes and counts must match: a ValueError
+    says where they do not (no broadcasting, no pairs silently dropped)."""
+    if isinstance(rows, torch.Tensor) and isinstance(others, torch.Tensor):
+        if rows.shape != others.shape:
+            raise ValueError(f"shapes differ: {tuple(rows.shape)} and {tuple(others.shape)}")
+        if rows.numel() == 0:
+            raise ValueError("no values to compare")
+        return (rows.double() - others.double()).abs().max().item()
+    rows, others = list(rows), list(others)
+    if len(rows) != len(others):
+        raise ValueError(f"{len(rows)} rows against {len(others)}")
+    if not rows:
+        raise ValueError("no rows to compare")
+    return max(max_abs_diff(a, b) for a, b in zip(rows, others))
 
 
 def check_lm_contract(
