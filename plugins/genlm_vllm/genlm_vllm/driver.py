@@ -126,8 +126,14 @@ class EngineDriver(abc.ABC):
 
     # ---- the one close path -------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the engine and free everything of ours, also after a crash; idempotent."""
+    def close(self, collect: bool = True) -> None:
+        """Stop the engine and free everything of ours, also after a crash; idempotent.
+
+        vLLM's objects hold each other in cycles, so this process unmaps the engine's queues only at a
+        garbage collection: one runs here unless ``collect`` is False, for a caller that runs one right
+        after (``AsyncLM.cleanup`` does, after ``close_backend``; a full pass takes about 0.5 s in a
+        process that imported vLLM). The engine's files are removed either way: this process's own
+        hold never keeps one (:meth:`EngineFiles.remove_orphans`)."""
         if self._closed:
             return
         self._closed = True
@@ -138,7 +144,8 @@ class EngineDriver(abc.ABC):
         finally:
             if self.rows is not None:
                 self.rows.close()  # its callbacks hold the engine
-            gc.collect()  # vLLM's objects hold each other in cycles: this process unmaps their queues now
+            if collect:
+                gc.collect()
             if self.files is not None:
                 self.files.remove_orphans(grace=30.0 if self.layout.ray else 0.0)
 

@@ -157,7 +157,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.driver.reset_prefix_cache()
 
     def close_backend(self) -> None:
-        self.driver.close()
+        self.driver.close(collect=False)  # AsyncLM.cleanup collects right after this
 
 
 def _cleanup_if_alive(ref: weakref.ref[AsyncVirtualLM]) -> None:
