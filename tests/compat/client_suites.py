@@ -92,6 +92,10 @@ PRIVATE_STATE = {
 }
 HERE = Path(__file__).parent
 SEED_PASSING = HERE / "seed_passing.txt"
+#: First on the suites' ``PYTHONPATH``: its ``sitecustomize.py`` makes ``import vllm`` fail there, as on a
+#: machine without vLLM. No test of the suites runs vLLM on a CPU (genlm-control's one vLLM test needs CUDA),
+#: and genlm-backend imports it whole at import when it is there: about 6 CPU-s of each process's start.
+WITHOUT_VLLM = HERE / "without_vllm"
 
 
 def source(name: str) -> Path:
@@ -127,6 +131,7 @@ def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 
     """Start pytest on ``files`` of client ``name``'s suite, writing its results to ``junit`` and its output
     beside them (``.log``)."""
     env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WITHOUT_VLLM), os.environ.get("PYTHONPATH")) if p)
     root = source(name)
     if name in STAND_INS:
         for hub_name, folder in stand_ins().items():

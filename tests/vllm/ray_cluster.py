@@ -105,7 +105,9 @@ class LoopbackCluster:
 
         spec = importlib.util.spec_from_file_location("genlm_test_ray_shim", SHIM / "sitecustomize.py")
         assert spec is not None and spec.loader is not None
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))  # the patches, for this process
+        shim = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(shim)
+        shim.install()  # the patches, for this process
 
     def stop(self) -> None:
         import ray

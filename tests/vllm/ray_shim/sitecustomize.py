@@ -94,4 +94,5 @@ def install() -> None:
         sys.meta_path.insert(0, _PatchAfterImport())
 
 
-install()
+if __name__ == "sitecustomize":  # imported by Python's site at start, not by pytest's collection of this folder
+    install()
