@@ -114,16 +114,9 @@ class LoopbackCluster:
 
         if ray.is_initialized():
             ray.shutdown()
-        for node in reversed(self.nodes):
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGTERM)
+        reap(self.temp, self.sessions, grace=2)
         for node in self.nodes:
-            try:
-                node.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(node.pid, signal.SIGKILL)
-                node.wait()
-        reap(self.temp, self.sessions)
+            node.wait()
         for key, value in self.saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -148,21 +141,25 @@ def processes_of(temp: Path, sessions: list[int]) -> list[int]:
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                session = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[3])
-                if session in sessions or mark in (proc / "environ").read_bytes().split(b"\0"):
+                state, _, _, session = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:4]
+                if state == "Z":  # ended, not yet waited for by its parent
+                    continue
+                if int(session) in sessions or mark in (proc / "environ").read_bytes().split(b"\0"):
                     found.append(int(proc.name))
             except (OSError, IndexError, ValueError):
                 pass
     return found
 
 
-def reap(temp: Path, sessions: list[int]) -> None:
-    """End every process of the cluster and remove its temp dir."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def reap(temp: Path, sessions: list[int], grace: float = 10) -> None:
+    """End every process of the cluster (SIGTERM, then after ``grace`` seconds SIGKILL) and remove its temp
+    dir. Once the driver has disconnected nothing of the cluster is kept: ``ray start --block``, the raylets
+    and the GCS server outlive a SIGTERM by more than 10 s here."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10)):
         for pid in processes_of(temp, sessions):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + wait
         while processes_of(temp, sessions) and time.monotonic() < deadline:
             time.sleep(0.2)
     shutil.rmtree(temp, ignore_errors=True)
