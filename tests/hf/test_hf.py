@@ -26,6 +26,26 @@ def make(path, **kwargs):
     return AsyncTransformer.from_name(path, **{"batch_size": 16, "timeout": 0.005, **kwargs})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def tokenizers_loaded_once():
+    """Every test builds its own model through ``from_name``; only the tokenizer, which genlm-hf reads and
+    never changes, is loaded once per model folder and its arguments (0.6 s a load here, 21 builds a model)."""
+    from genlm_hf import transformers_api
+
+    load = transformers_api.load_tokenizer
+    loaded: dict[tuple[str, tuple[tuple[str, object], ...]], object] = {}
+
+    def once(model_id: str, **kwargs: object) -> object:
+        key = (model_id, tuple(sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = load(model_id, **kwargs)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers_api, "load_tokenizer", once)
+        yield loaded
+
+
 def test_contract(tiny):
     path, _ = tiny
     check_lm_contract(make(path), [[1], [5, 6, 7], list(range(100, 140))], atol=TOL, close=True)
