@@ -43,7 +43,7 @@ def tokenizers_loaded_once():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(transformers_api, "load_tokenizer", once)
-        yield loaded
+        yield
 
 
 def test_contract(tiny):

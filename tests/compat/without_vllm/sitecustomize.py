@@ -22,7 +22,7 @@ class Hidden(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         raise ModuleNotFoundError(f"No module named {spec.name!r} (hidden from the client suites)", name=spec.name)
 
-    def exec_module(self, module: ModuleType) -> None:  # never reached: create_module raises
+    def exec_module(self, module: ModuleType) -> None:  # a loader needs one for create_module to be used
         raise ModuleNotFoundError(f"No module named {module.__name__!r}", name=module.__name__)
 
 
