@@ -185,9 +185,11 @@ def test_layout_is_what_was_asked(lm):
 
 
 def test_engine_processes_start_as_asked(lm):
-    """start_method 'auto' on vLLM's CPU build: an engine core is forked from this process's fork server
-    (which imported vLLM once); tensor/pipeline-parallel workers, whose OpenMP affinity vLLM sets in their
-    environment at start, and everything of an engine asked to spawn, are spawned by this process."""
+    """start_method 'auto' on vLLM's CPU build: an engine core, and the tensor/pipeline-parallel workers of an
+    engine in this process, are forked from this process's fork server (which imported vLLM once); each such
+    worker runs, every thread of it, on its rank's core, as OpenMP binds a spawned one (genlm-vllm gives each
+    rank one core of this process's two). Everything of an engine asked to spawn is spawned by this process,
+    and an engine core's workers by the engine core."""
     processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
     cores = [p for p in processes if p.name().startswith("VLLM::EngineCore")]
     assert len(cores) == lm.driver.layout.multiprocess
@@ -195,8 +197,19 @@ def test_engine_processes_start_as_asked(lm):
     forked = lm.options.start_method == "auto"
     for core in cores:
         assert core.ppid() == (server if forked else os.getpid()), (core.name(), server)
-    for worker in (p for p in processes if p not in cores):
-        assert worker.ppid() in {os.getpid(), *(core.pid for core in cores)}, worker.name()
+    workers = [p for p in processes if p not in cores]
+    assert workers
+    for worker in workers:
+        if cores:
+            assert worker.ppid() in {core.pid for core in cores}, worker.name()
+        else:
+            assert worker.ppid() == (server if forked else os.getpid()), (worker.name(), server)
+    if lm.driver.layout.world_size == 2:
+        assert len(os.sched_getaffinity(0)) == 2
+        for worker in workers:
+            rank = int(worker.name()[-1])  # VLLM::Worker_TP1
+            on = {t.id: frozenset(os.sched_getaffinity(t.id)) for t in worker.threads()}
+            assert set(on.values()) == {frozenset([sorted(os.sched_getaffinity(0))[rank]])}, (worker.name(), on)
 
 
 def test_workers_nap_between_steps_unless_asked_to_spin(lm):

@@ -91,15 +91,13 @@ def _connected_ray_address() -> str | None:
 def forks_from_server(lay: Layout, start_method: str) -> bool:
     """Whether the processes of an engine laid out as ``lay``, whose options say ``start_method``, are
     forked from the fork server. ``"auto"`` forks on vLLM's CPU build (where importing vLLM in each
-    spawned process is most of an engine's start) and spawns on CUDA. vLLM's CPU build sets each
-    worker's OpenMP affinity in its environment at start, so there a fork server serves only an engine
-    core or a data-parallel coordinator."""
+    spawned process is most of an engine's start) and spawns on CUDA. A process the fork server cannot
+    give what a spawned one would have is spawned all the same (see
+    :func:`~genlm_vllm.process_start.forkserver_context`): on vLLM's CPU build, a tensor/pipeline-parallel
+    worker whose OpenMP binding puts its threads on different cores."""
     if not lay.spawns or start_method == "spawn":
         return False
-    cpu = vllm_api.on_cpu_build()
-    if start_method == "auto" and not cpu:
-        return False
-    return not cpu or lay.multiprocess or lay.data_parallel > 1
+    return start_method == "forkserver" or vllm_api.on_cpu_build()
 
 
 @contextlib.contextmanager
