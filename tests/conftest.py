@@ -4,11 +4,12 @@ budget (``TimeBudget``)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 # Nothing here comes from a model hub: an unknown name fails at once instead of retrying the network.
@@ -36,6 +37,31 @@ def toy_tok():
 @pytest.fixture(scope="session", params=REAL_TOKENIZERS)
 def real_tokenizer(request):
     return request.param, load_tokenizer(request.param)
+
+
+@contextlib.contextmanager
+def _loaded_once(owner: object, name: str, key: Callable[..., Hashable] | None = None) -> Iterator[None]:
+    """While in the block, ``owner.name(*args, **kwargs)`` runs once per ``key(*args, **kwargs)`` (default: the
+    arguments) and later calls get that first result. Only for loaders whose result the code under test
+    reads and never changes, such as a tokenizer."""
+    load = getattr(owner, name)
+    loaded: dict[Hashable, object] = {}
+
+    def once(*args: Any, **kwargs: Any) -> object:
+        k = key(*args, **kwargs) if key is not None else (args, tuple(sorted(kwargs.items())))
+        if k not in loaded:
+            loaded[k] = load(*args, **kwargs)
+        return loaded[k]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(owner, name, once)
+        yield
+
+
+@pytest.fixture(scope="session")
+def loaded_once() -> Callable[..., contextlib.AbstractContextManager[None]]:
+    """:func:`_loaded_once`, for a module fixture: ``with loaded_once(module, "load_tokenizer"): yield``."""
+    return _loaded_once
 
 
 @pytest.fixture

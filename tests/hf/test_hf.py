@@ -27,22 +27,12 @@ def make(path, **kwargs):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def tokenizers_loaded_once():
+def tokenizers_loaded_once(loaded_once):
     """Every test builds its own model through ``from_name``; only the tokenizer, which genlm-hf reads and
     never changes, is loaded once per model folder and its arguments (0.6 s a load here, 21 builds a model)."""
     from genlm_hf import transformers_api
 
-    load = transformers_api.load_tokenizer
-    loaded: dict[tuple[str, tuple[tuple[str, object], ...]], object] = {}
-
-    def once(model_id: str, **kwargs: object) -> object:
-        key = (model_id, tuple(sorted(kwargs.items())))
-        if key not in loaded:
-            loaded[key] = load(model_id, **kwargs)
-        return loaded[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers_api, "load_tokenizer", once)
+    with loaded_once(transformers_api, "load_tokenizer"):
         yield
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +19,27 @@ from genlm_llamacpp.engine import EngineConfig, LlamaEngine, repack_weights
 from genlm_llamacpp.files import resolve_gguf
 
 ATOL = 1e-4
+
+
+def gguf_file(path) -> tuple[str, int, int]:
+    """A GGUF file as genlm-llamacpp's tokenizer cache knows it: its path, size and time."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return str(path), stat.st_size, stat.st_mtime_ns
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizers_loaded_once(loaded_once):
+    """Most tests build a llama.cpp model and a genlm-hf one on the same weights; the tokenizers, which both
+    read and never change, are loaded once per file or folder (about 0.7 s a load here, over 30 loads)."""
+    import genlm_llamacpp.lm
+    from genlm_hf import transformers_api
+
+    with (
+        loaded_once(genlm_llamacpp.lm, "gguf_tokenizer", key=gguf_file),
+        loaded_once(transformers_api, "load_tokenizer"),
+    ):
+        yield
 
 
 def llamacpp(gguf: str, **opts) -> LlamaCppLM:
