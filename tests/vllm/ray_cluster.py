@@ -52,6 +52,8 @@ class LoopbackCluster:
     def start(self, timeout: float = 120) -> LoopbackCluster:
         ray = str(Path(sys.executable).parent / "ray")
         common = ["--num-cpus=1", "--num-gpus=1", "--object-store-memory=300000000", "--block"]
+        # No log monitor (it streams the workers' logs to the driver; they stay in the temp dir), no usage stats.
+        common += ["--include-log-monitor=false", "--disable-usage-stats"]
         head = [ray, "start", "--head", f"--node-ip-address={HEAD}", f"--port={PORT}", f"--temp-dir={self.temp}"]
         worker = [ray, "start", f"--address={ADDRESS}", f"--node-ip-address={WORKER}"]
         for argv, ip, core in ((head, HEAD, "0"), (worker, WORKER, "1")):

@@ -65,7 +65,8 @@ class VLLMOptions(BackendOptions):
         "coordinator). 'spawn': a fresh interpreter each, which imports vLLM again (about 10 s of CPU each on "
         "vLLM's CPU build). 'forkserver': forked from one server process per caller that imports vLLM once, each "
         "with the caller's environment at its start (spawned instead where the variables an interpreter reads "
-        "when it starts, such as PYTHONPATH, changed since the server started). 'auto': forkserver on vLLM's CPU "
+        "when it starts, such as PYTHONPATH, changed since the server started, or where OpenMP's binding puts a "
+        "worker's threads on different cores). 'auto': forkserver on vLLM's CPU "
         "build, spawn on CUDA (where forkserver has not yet been verified). The fork server stays up while the caller "
         "runs, with vLLM imported (about 0.75 GB on the CPU build).",
     )
