@@ -99,14 +99,27 @@ def _binding(env: dict[str, str] | os._Environ[str]) -> dict[str, str | None]:
 def cores_to_bind(env: dict[str, str] | os._Environ[str], server_env: dict[str, str]) -> frozenset[int] | None:
     """The cores a process forked from a server started with ``server_env`` must bind itself to, to run as one
     started with ``env`` would: None where both bind alike. Raises ``ValueError`` where it cannot (the server
-    binds its threads, differently, or ``env`` binds threads to different cores: :func:`bound_cores`)."""
+    binds its threads, differently, ``env`` binds threads to different cores (:func:`bound_cores`) or to cores
+    this process may not run on, which OpenMP would skip and ``os.sched_setaffinity`` refuses).
+
+    >>> cores_to_bind({"GOMP_CPU_AFFINITY": "0"}, {}), cores_to_bind({}, {})
+    (frozenset({0}), None)
+    >>> cores_to_bind({"GOMP_CPU_AFFINITY": "100000"}, {})
+    Traceback (most recent call last):
+    ...
+    ValueError: OpenMP's binding names cores this process may not run on: [100000]
+    """
     if _binding(env) == _binding(server_env):
         return None
     if bound_cores(server_env) is not None:
         raise ValueError("the fork server binds its threads (OpenMP's binding was set when it started)")
     cores = bound_cores(env)
-    if cores is not None and not hasattr(os, "sched_setaffinity"):
+    if cores is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
         raise ValueError("this platform has no os.sched_setaffinity")
+    if outside := sorted(cores - os.sched_getaffinity(0)):
+        raise ValueError(f"OpenMP's binding names cores this process may not run on: {outside}")
     return cores
 
 
