@@ -10,6 +10,7 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
 from typing import Any
 
 # Nothing here comes from a model hub: an unknown name fails at once instead of retrying the network.
@@ -164,7 +165,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: The garbage collector's thresholds in the test processes (Python's default: 700, 10, 10), and in the
+#: processes they start (``PROCESS_SITE``). Those import torch, transformers and often vLLM and Ray, and tests make
+#: many objects at once (a million batcher requests, a vocabulary's Tokens, SMC particles): with the default, a
+#: full pass over the whole heap ran every few thousand survivors. That was a sixth of the slow tier's CPU
+#: outside vLLM, and 2.5 of the 14 CPU-s of importing vLLM. Only when garbage is collected changes: a test that
+#: needs it freed at a point collects it there (``AsyncLM.cleanup()`` does).
+GC_THRESHOLDS = (7000, 10, 100)
+#: First on ``PYTHONPATH`` of every process the session starts: its ``sitecustomize.py`` applies the thresholds
+#: named in ``$GENLM_TEST_GC_THRESHOLDS`` (the client suites' and the test Ray cluster's shadow it, and do too).
+PROCESS_SITE = str(Path(__file__).parent / "process_site")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    gc.set_threshold(*GC_THRESHOLDS)
+    os.environ["GENLM_TEST_GC_THRESHOLDS"] = ",".join(map(str, GC_THRESHOLDS))
+    path = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if path[0] != PROCESS_SITE:  # a pytest-xdist worker inherits the controller's
+        os.environ["PYTHONPATH"] = os.pathsep.join([PROCESS_SITE, *filter(None, path)])
     # Registered as a plugin object, not left as conftest hooks: a conftest's test hooks see only the tests
     # under its folder, and the fast tier also runs genlm_core's doctests.
     config.pluginmanager.register(TimeBudget(config), TimeBudget.NAME)

@@ -74,8 +74,8 @@ def fresh_venv(tmp_path_factory) -> Path:
 
 
 def user_env(home: Path) -> dict[str, str]:
-    """A new user's environment: their own caches, nothing of this test run's plugin selection."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GENLM_", "HF_", "PYTEST"))}
+    """A new user's environment: their own caches, nothing of this test run's plugin selection or path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GENLM_", "HF_", "PYTEST", "PYTHONPATH"))}
     return {**env, "HOME": str(home), "HF_HOME": str(home / "hf"), "GENLM_CACHE_DIR": str(home / "genlm")}
 
 

@@ -95,6 +95,7 @@ SEED_PASSING = HERE / "seed_passing.txt"
 #: First on the suites' ``PYTHONPATH``: its ``sitecustomize.py`` makes ``import vllm`` fail there, as on a
 #: machine without vLLM. No test of the suites runs vLLM on a CPU (genlm-control's one vLLM test needs CUDA),
 #: and genlm-backend imports it whole at import when it is there: about 6 CPU-s of each process's start.
+#: Under a test session it also applies the session's garbage-collector thresholds (``tests/process_site``).
 WITHOUT_VLLM = HERE / "without_vllm"
 
 

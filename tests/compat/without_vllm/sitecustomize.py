@@ -1,12 +1,16 @@
 """First on ``PYTHONPATH`` of the client suites' processes (``client_suites.py``): there vLLM cannot be
 imported, as on a machine without it. ``import vllm`` raises ``ModuleNotFoundError``, so genlm-backend takes
 its own no-vLLM path; ``importlib.util.find_spec("vllm")`` still finds it, so genlm-vllm's plugin registers
-its backend as usual (nothing in the suites loads it)."""
+its backend as usual (nothing in the suites loads it).
+
+Under a test session, the suites' processes also get its garbage-collector thresholds
+(``tests/process_site/genlm_test_gc.py``)."""
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from types import ModuleType
 
@@ -28,3 +32,7 @@ class Hidden(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if __name__ == "sitecustomize":  # imported by Python's site at start, not by pytest's collection of this folder
     sys.meta_path.insert(0, Hidden())
+    if os.environ.get("GENLM_TEST_GC_THRESHOLDS"):  # started by a test session, with tests/process_site on the path
+        import genlm_test_gc
+
+        genlm_test_gc.apply()

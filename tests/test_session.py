@@ -1,0 +1,33 @@
+"""What the test session sets up for itself and the processes it starts (``tests/conftest.py``): the garbage
+collector's thresholds, here and in every process started from here, also under the ``sitecustomize.py`` files
+that shadow ``tests/process_site``'s (the client suites', the test Ray cluster's)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+PYTHONS_DEFAULT = (700, 10, 10)
+
+
+@pytest.mark.parametrize(
+    "first_on_path",
+    [None, TESTS / "compat" / "without_vllm", TESTS / "vllm" / "ray_shim"],
+    ids=["process_site", "client suites", "ray cluster"],
+)
+def test_processes_the_session_starts_collect_garbage_as_it_does(first_on_path):
+    env = dict(os.environ)
+    if first_on_path is not None:  # as client_suites.start and ray_cluster.shim_env put it
+        env["PYTHONPATH"] = os.pathsep.join([str(first_on_path), env["PYTHONPATH"]])
+    code = "import gc, sys; print(gc.get_threshold(), sys.modules['sitecustomize'].__file__)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    thresholds, site = out.rsplit(" ", 1)
+    assert gc.get_threshold() != PYTHONS_DEFAULT
+    assert thresholds == str(gc.get_threshold())
+    assert Path(site.strip()).parent == (first_on_path or TESTS / "process_site")
