@@ -1,6 +1,7 @@
 """Shared fixtures: real offline tokenizers (built once per machine) and a fresh plugin manager; how the run
-is spread over worker processes (pytest-xdist: ``pytest_xdist_make_scheduler``); and the fast tier's time
-budget (``TimeBudget``)."""
+is spread over worker processes (pytest-xdist: ``pytest_xdist_make_scheduler``); the garbage collector's
+thresholds, here and in the processes the tests start (``GC_THRESHOLDS``); and the fast tier's time budget
+(``TimeBudget``)."""
 
 from __future__ import annotations
 
