@@ -9,7 +9,7 @@ import contextlib
 import gc
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,11 @@ REAL_TOKENIZERS = ["gpt2", "mistral-v1", "mistral-v3", "tekken"]
 #: counted, and ``EngineFiles`` would take its files for the starting engine's), a Ray cluster on fixed
 #: loopback addresses, and a session engine per process; they are also the run's longest chain.
 SERIAL_FIRST = {"tests/vllm/": "vllm"}
+#: The next longest work units, handed out next in this order (seconds of their worker in a whole run, 2 cores):
+#: the client suites 264-289 (their worker waits on processes of their own), the GPU check's dry runs 147-158,
+#: the fresh-virtualenv installs 75-85. The other units follow, most tests first, and the short ones fill in
+#: at the end, when a long one given out last would run alone (``test_install.py`` did: its last 40-50 s).
+LONG_NEXT = ["tests/compat/test_client_suites.py", "tests/test_gpu_check.py", "tests/test_install.py"]
 MAX_WORKERS = 4  # each worker holds torch, transformers and a model or two: about 1.5 GB
 
 
@@ -121,11 +126,13 @@ def work_unit(nodeid: str) -> str:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """With ``-n`` (``--dist load``, the default): each :func:`work_unit` whole on one worker, so a module's
-    fixtures are built once and vLLM's tests run one after another, in collection order (the longest chain
-    first: ``pytest_collection_modifyitems``). Another ``--dist`` is pytest-xdist's own."""
+    fixtures are built once and vLLM's tests run one after another; units are handed out in collection order
+    (:func:`run_order`). Another ``--dist`` is pytest-xdist's own."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # units in collection order: run_order's
 
     class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -134,12 +141,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return WorkUnitScheduling(config, log)
 
 
+def run_order(nodeids: list[str]) -> list[str]:
+    """``nodeids`` with their work units longest first (stable: a unit's tests keep their order): the folders of
+    ``SERIAL_FIRST``, then ``LONG_NEXT`` in its order, then the other units by their number of tests, most first.
+    Under xdist each free worker takes the next unit, so the longest chain starts at once and the short units
+    fill in around the long ones and at the end.
+
+    >>> run_order(["tests/a.py::t", "tests/test_install.py::t", "tests/b.py::t", "tests/b.py::u", "tests/vllm/c.py::t"])
+    ['tests/vllm/c.py::t', 'tests/test_install.py::t', 'tests/b.py::t', 'tests/b.py::u', 'tests/a.py::t']
+    """
+    first = set(SERIAL_FIRST.values())
+    sizes = Counter(work_unit(nodeid) for nodeid in nodeids)
+
+    def rank(nodeid: str) -> tuple[int, int]:
+        unit = work_unit(nodeid)
+        if unit in first:
+            return (0, 0)
+        if unit in LONG_NEXT:
+            return (1, LONG_NEXT.index(unit))
+        return (2, -sizes[unit])
+
+    return sorted(nodeids, key=rank)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The folders of ``SERIAL_FIRST`` first (stable: every module keeps its order), so that under xdist the
-    longest chain starts at once and the other workers fill in around it."""
-    first = set(SERIAL_FIRST.values())
-    items.sort(key=lambda item: work_unit(item.nodeid) not in first)
+    """Items in :func:`run_order`."""
+    position = {nodeid: i for i, nodeid in enumerate(run_order([item.nodeid for item in items]))}
+    items.sort(key=lambda item: position[item.nodeid])
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

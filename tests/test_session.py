@@ -1,10 +1,12 @@
 """What the test session sets up for itself and the processes it starts (``tests/conftest.py``): the garbage
 collector's thresholds, here and in every process started from here, also under the ``sitecustomize.py`` files
-that shadow ``tests/process_site``'s (the client suites', the test Ray cluster's)."""
+that shadow ``tests/process_site``'s (the client suites', the test Ray cluster's); and the imports those
+processes leave out."""
 
 from __future__ import annotations
 
 import gc
+import importlib.machinery
 import os
 import subprocess
 import sys
@@ -31,3 +33,26 @@ def test_processes_the_session_starts_collect_garbage_as_it_does(first_on_path):
     assert gc.get_threshold() != PYTHONS_DEFAULT
     assert thresholds == str(gc.get_threshold())
     assert Path(site.strip()).parent == (first_on_path or TESTS / "process_site")
+
+
+@pytest.mark.parametrize(
+    ("first_on_path", "kept"),
+    [(None, False), (TESTS / "vllm" / "ray_shim", False), (TESTS / "compat" / "without_vllm", True)],
+    ids=["process_site", "ray cluster", "client suites"],
+)
+def test_processes_the_session_starts_leave_out_what_they_do_not_use(first_on_path, kept):
+    """jsonschema without ``rfc3987_syntax`` (``tests/process_site/genlm_test_imports.py``) still checks the
+    formats it has, and only the client suites' processes (genlm-control checks formats) still check IRIs."""
+    # With genlm-control's jsonschema[format-nongpl]; should that no longer bring it, leave_out has no more to do.
+    assert importlib.machinery.PathFinder.find_spec("rfc3987_syntax") is not None  # installed, if left out here
+    env = dict(os.environ)
+    if first_on_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(first_on_path), env["PYTHONPATH"]])
+    code = (
+        "import sys, jsonschema\n"
+        "check = jsonschema.Draft7Validator.FORMAT_CHECKER\n"
+        "print('rfc3987_syntax' in sys.modules and sys.modules['rfc3987_syntax'] is not None,"
+        " 'iri' in check.checkers, check.conforms('1.2.3.4', 'ipv4'), check.conforms('1.2.3', 'ipv4'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(kept), str(kept), "True", "False"]

@@ -10,8 +10,8 @@ driver calls ``install()`` itself. Nothing here ships with genlm-vllm; on CUDA n
   same-host check, so two nodes on one machine would never use the network: the shared-memory group
   name gets the node's address, and "same node" also compares ``VLLM_HOST_IP``.
 
-Under a test session, the cluster's processes also get its garbage-collector thresholds
-(``tests/process_site/genlm_test_gc.py``).
+Under a test session, the cluster's processes also get its garbage-collector thresholds and leave out the
+imports they do not use (``tests/process_site/genlm_test_gc.py`` and ``genlm_test_imports.py``).
 """
 
 from __future__ import annotations
@@ -101,5 +101,7 @@ if __name__ == "sitecustomize":  # imported by Python's site at start, not by py
     install()
     if os.environ.get("GENLM_TEST_GC_THRESHOLDS"):  # started by a test session, with tests/process_site on the path
         import genlm_test_gc
+        import genlm_test_imports
 
         genlm_test_gc.apply()
+        genlm_test_imports.leave_out()
