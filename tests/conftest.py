@@ -99,12 +99,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A new test module (the last one's module fixtures torn down): freeze what is left, collected first."""
+    """A new test module (the last one's module fixtures torn down): freeze what is left, collected first,
+    where no slow test runs, and in any run after the last module of a ``SERIAL_FIRST`` folder. vLLM's engine
+    unfreezes the whole heap at its shutdown (it froze it at its start), so after ``tests/vllm/`` each full
+    pass in that worker walked every import again: 0.6 s at each model's ``cleanup()`` of the modules it ran
+    next. What is frozen there is what the session keeps (its fixtures), and a vLLM engine's shutdown
+    unfreezes it all again."""
     stash = item.config.stash
     module = item.nodeid.split("::")[0]
-    if stash.get(_FREEZE_BETWEEN_MODULES, False) and stash.get(_LAST_MODULE, module) != module:
-        gc.collect()
-        gc.freeze()
+    last = stash.get(_LAST_MODULE, module)
+    if last != module:
+        leaving_serial = work_unit(last) in SERIAL_FIRST.values() and work_unit(module) != work_unit(last)
+        if stash.get(_FREEZE_BETWEEN_MODULES, False) or leaving_serial:
+            gc.collect()
+            gc.freeze()
     stash[_LAST_MODULE] = module
 
 

@@ -56,3 +56,32 @@ def test_processes_the_session_starts_leave_out_what_they_do_not_use(first_on_pa
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(kept), str(kept), "True", "False"]
+
+
+def test_the_heap_is_frozen_again_after_the_serial_folder_in_a_run_with_slow_tests(request, monkeypatch):
+    """``pytest_runtest_setup`` in a run with slow tests: no freeze between modules, but one when the worker
+    leaves ``tests/vllm/`` (whose engines unfreeze the whole heap at shutdown)."""
+    (conftest,) = [
+        p
+        for p in request.config.pluginmanager.get_plugins()
+        if getattr(p, "__file__", "") == str(TESTS / "conftest.py")
+    ]
+    calls: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    stash = pytest.Stash()
+    stash[conftest._FREEZE_BETWEEN_MODULES] = False  # as pytest_collection_finish sets it where slow tests run
+    config = type("Config", (), {"stash": stash})()
+    frozen_before = []
+    for nodeid in [
+        "tests/vllm/test_a.py::t",
+        "tests/vllm/test_a.py::u",
+        "tests/vllm/test_b.py::t",
+        "tests/hf/test_c.py::t",
+        "tests/hf/test_d.py::t",
+    ]:
+        calls.clear()
+        conftest.pytest_runtest_setup(type("Item", (), {"nodeid": nodeid, "config": config})())
+        frozen_before.append(calls == ["collect", "freeze"])
+        assert calls in ([], ["collect", "freeze"])
+    assert frozen_before == [False, False, False, True, False]
