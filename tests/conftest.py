@@ -29,9 +29,9 @@ REAL_TOKENIZERS = ["gpt2", "mistral-v1", "mistral-v3", "tekken"]
 #: loopback addresses, and a session engine per process; they are also the run's longest chain.
 SERIAL_FIRST = {"tests/vllm/": "vllm"}
 #: The next longest work units, handed out next in this order (seconds of their worker in a whole run, 2 cores):
-#: the client suites 264-289 (their worker waits on processes of their own), the GPU check's dry runs 147-158,
-#: the fresh-virtualenv installs 75-85. The other units follow, most tests first, and the short ones fill in
-#: at the end, when a long one given out last would run alone (``test_install.py`` did: its last 40-50 s).
+#: the client suites 240-319 (their worker waits on processes of their own), the GPU check's dry runs 130-162,
+#: the fresh-virtualenv installs 74-92. The other units follow, most tests first, and the short ones fill in
+#: at the end, where a long one given out last ran alone (``test_install.py`` did, for the run's last 33-80 s).
 LONG_NEXT = ["tests/compat/test_client_suites.py", "tests/test_gpu_check.py", "tests/test_install.py"]
 MAX_WORKERS = 4  # each worker holds torch, transformers and a model or two: about 1.5 GB
 

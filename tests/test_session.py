@@ -1,7 +1,7 @@
 """What the test session sets up for itself and the processes it starts (``tests/conftest.py``): the garbage
 collector's thresholds, here and in every process started from here, also under the ``sitecustomize.py`` files
-that shadow ``tests/process_site``'s (the client suites', the test Ray cluster's); and the imports those
-processes leave out."""
+that shadow ``tests/process_site``'s (the client suites', the test Ray cluster's); the imports those processes
+leave out; and where a worker freezes its heap."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def test_processes_the_session_starts_collect_garbage_as_it_does(first_on_path):
 def test_processes_the_session_starts_leave_out_what_they_do_not_use(first_on_path, kept):
     """jsonschema without ``rfc3987_syntax`` (``tests/process_site/genlm_test_imports.py``) still checks the
     formats it has, and only the client suites' processes (genlm-control checks formats) still check IRIs."""
-    # With genlm-control's jsonschema[format-nongpl]; should that no longer bring it, leave_out has no more to do.
-    assert importlib.machinery.PathFinder.find_spec("rfc3987_syntax") is not None  # installed, if left out here
+    # Installed (genlm-control's jsonschema[format-nongpl]); the day it is not, leave_out has nothing left to do.
+    assert importlib.machinery.PathFinder.find_spec("rfc3987_syntax") is not None
     env = dict(os.environ)
     if first_on_path is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(first_on_path), env["PYTHONPATH"]])
