@@ -29,6 +29,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,14 @@ async def smc(
     return SMCResult(particles, log_z, resamples)
 
 
+def continuation(byte_vocab: Sequence[bytes], particle: Particle) -> str:
+    """The text a particle generated, as a Python literal, with ``[ended]`` after it when the particle
+    ended: its end-of-sequence token is the end, not text, and is not shown."""
+    tokens = particle.generated[:-1] if particle.done else particle.generated
+    text = repr(b"".join(byte_vocab[i] for i in tokens).decode("utf-8", "replace"))
+    return f"{text} [ended]" if particle.done else text
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="model name or path; 'smollm2' is built offline (default)")
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             [
                 f"{w:.4f}",
                 f"{p.log_weight:.3f}",
-                repr(b"".join(lm.byte_vocab[i] for i in p.generated).decode("utf-8", "replace")),
+                continuation(lm.byte_vocab, p),
             ]
             for p, w in zip(particles, weights.tolist())
         ),
@@ -171,6 +180,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.backend}:{args.model}  prompt={args.prompt!r}  constraint: no token containing {args.forbid!r}{limit}"
     )
     print(table(["weight", "log w", "continuation"], rows))
+    ended = sum(p.done for p in particles)
+    print(
+        f"{ended} of {len(particles)} particles ended ([ended]: it generated the end-of-sequence token, not shown); "
+        f"the others reached --max-tokens {args.max_tokens}"
+    )
     mean_batch = stats.items / max(stats.batches, 1)
     print(
         f"\nESS {ess(log_w):.2f} of {len(particles)}; {result.resamples} resampling steps; "

@@ -16,11 +16,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar, get_args
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
+from genlm_core.config import FLUSH_POLICIES, FlushPolicy  # defined there: options models import no torch
 from genlm_core.errors import BatcherError, ClosedError
 from genlm_core.rows import Failed
 from genlm_core.validation import check_batcher_numbers
@@ -34,21 +35,6 @@ R = TypeVar("R")
 
 
 ProcessFn = Callable[[list[T]], Sequence[Any] | Awaitable[Sequence[Any]]]
-
-#: When a batch of queued requests is flushed to the model (besides a full batch, at once, and
-#: ``timeout`` seconds after the oldest request, always):
-#:
-#: - ``"idle"``: as soon as nothing else in the program can run (every other task of the event loop
-#:   waits: on this batcher, a timer, I/O or a thread). A particle step's requests form one batch
-#:   and nobody waits for a timer.
-#: - ``"eager"``: as soon as the model is free, and a queue of two or more goes in two halves, the
-#:   second as soon as the first is done: the program works on the first half's rows while the model
-#:   computes the second half (for a batch function run in a thread or a coroutine function; an
-#:   inline one flushes as ``"idle"``). A step costs about the model's time plus half the program's,
-#:   at the price of one more model call per step.
-#: - ``"timeout"``: only when full or at the timeout (``timeout=0``: after one event-loop pass).
-FlushPolicy = Literal["idle", "eager", "timeout"]
-FLUSH_POLICIES: tuple[str, ...] = get_args(FlushPolicy)
 
 
 def loop_is_idle(loop: asyncio.AbstractEventLoop) -> bool | None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from genlm_core.config import MockOptions
 from genlm_core.hookspecs import hookimpl
-from genlm_core.mock import MockOptions
 from genlm_core.registry import Register
 
 

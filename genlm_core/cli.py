@@ -105,27 +105,60 @@ def _version(distribution: str | None) -> str:
         return "-"
 
 
+#: What ``genlm backends`` says under the table when it did not import the engines.
+NOT_CHECKED = (
+    "installed: its modules are there and its plugin's own check passed; it was not imported, so whether it\n"
+    "imports and runs here, and what it can do on this machine (CUDA, modes), is not checked:\n"
+    "`genlm backends --check` imports each engine."
+)
+
+
+def _runs_here(spec: Any, load: Callable[[str], Any] | None) -> str:
+    """The "runs here" cell of a component: its plugin's own check (cheap, import-free), then, with
+    ``load`` (``--check``), whether its factory, and the engine with it, imports."""
+    reason = spec.unavailable_reason()
+    if reason is not None:
+        return f"no: {reason}"
+    if load is None:
+        return "installed"
+    try:
+        load(spec.name)
+    except GenlmError as exc:  # the factory does not import: recorded as a failure of its plugin (below)
+        cause = exc.__cause__ or exc
+        error = f"{type(cause).__name__}: {' '.join(str(cause).split())}"
+        return f"no: its engine does not import ({error}); {spec.repair_hint()}"
+    return "yes"
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
+    """The installed backends and trie engines, from the plugins' registrations and the distributions'
+    metadata, without importing an engine; ``--check`` also imports each one and asks what it can do here."""
     plugins = get_plugins()
     rows = []
-    for kind, specs in (("backend", plugins.backends()), ("trie engine", plugins.trie_engines())):
+    kinds = (
+        ("backend", plugins.backends(), plugins.load_backend),
+        ("trie engine", plugins.trie_engines(), plugins.load_trie_engine),
+    )
+    for kind, specs, load in kinds:
         for name, spec in sorted(specs.items()):
-            reason = spec.unavailable_reason()
             rows.append(
                 [
                     name,
                     kind,
                     spec.distribution or spec.plugin,
                     _version(spec.distribution),
-                    "yes" if reason is None else f"no: {reason}",
+                    _runs_here(spec, load if args.check else None),
                     spec.description,
                 ]
             )
     print(table(["name", "kind", "distribution", "version", "runs here", "description"], rows))
-    for name, spec in sorted(plugins.backends().items()):
-        details = spec.details_here()
-        if details:
-            print(f"\n{name} on this machine: {details}")
+    if args.check:
+        for name, spec in sorted(plugins.backends().items()):
+            details = spec.details_here()
+            if details:
+                print(f"\n{name} on this machine: {details}")
+    elif any(row[4] == "installed" for row in rows):
+        print(f"\n{NOT_CHECKED}")
     if plugins.failures:
         print("\nplugins that failed to load:")
         print(
@@ -203,11 +236,11 @@ def cmd_logprobs(args: argparse.Namespace) -> int:
 def cmd_continue(args: argparse.Namespace) -> int:
     import asyncio
 
-    from genlm_core.bytes import BeamParams, ByteBeamState
     from genlm_core.loading import load_model_by_name
 
     text = _text_bytes(args.text)
-    lm = load_model_by_name(args.model, args.backend, _options(args.option))
+    lm = load_model_by_name(args.model, args.backend, _options(args.option))  # a wrong name fails before torch
+    from genlm_core.bytes import BeamParams, ByteBeamState
 
     async def run() -> bytes:
         beam = await ByteBeamState.initial(lm, BeamParams(K=args.beam, prune_threshold=args.prune))
@@ -228,9 +261,16 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="genlm", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO)")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("backends", help="installed backends and trie engines, and plugins that failed").set_defaults(
-        func=cmd_backends
+    b = sub.add_parser(
+        "backends",
+        help="installed backends and trie engines, and plugins that failed (imports no engine; --check does)",
     )
+    b.add_argument(
+        "--check",
+        action="store_true",
+        help="also import each backend and trie engine: whether it runs here, and what it can do on this machine",
+    )
+    b.set_defaults(func=cmd_backends)
     o = sub.add_parser("options", help="the options a backend accepts")
     o.add_argument("backend")
     o.set_defaults(func=cmd_options)

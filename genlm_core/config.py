@@ -1,14 +1,22 @@
-"""Pydantic models for configuration: the options every backend shares, and a model config."""
+"""Pydantic models for configuration: the options every backend shares, the option groups backends nest or
+inherit (:class:`LiveOptions`, :class:`KVReuseOptions`), the built-in mock's options, and a model config.
+
+Import-light on purpose (pydantic and numpy, no torch): a plugin's options model is imported when the plugin
+registers, so ``genlm backends`` and ``genlm options`` list backends without importing an engine. The option
+classes are also importable from the modules that use them (``genlm_core.live.LiveOptions``,
+``genlm_core.kv_reuse.KVReuseOptions``, ``genlm_core.mock.MockOptions``).
+"""
 
 from __future__ import annotations
 
 import difflib
 import json
+import os
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 from pydantic import (
@@ -22,8 +30,22 @@ from pydantic import (
     model_validator,
 )
 
-from genlm_core.batching import FlushPolicy
 from genlm_core.errors import ConfigError, OptionsError
+
+#: When a batch of queued requests is flushed to the model (besides a full batch, at once, and
+#: ``timeout`` seconds after the oldest request, always):
+#:
+#: - ``"idle"``: as soon as nothing else in the program can run (every other task of the event loop
+#:   waits: on this batcher, a timer, I/O or a thread). A particle step's requests form one batch
+#:   and nobody waits for a timer.
+#: - ``"eager"``: as soon as the model is free, and a queue of two or more goes in two halves, the
+#:   second as soon as the first is done: the program works on the first half's rows while the model
+#:   computes the second half (for a batch function run in a thread or a coroutine function; an
+#:   inline one flushes as ``"idle"``). A step costs about the model's time plus half the program's,
+#:   at the price of one more model call per step.
+#: - ``"timeout"``: only when full or at the timeout (``timeout=0``: after one event-loop pass).
+FlushPolicy = Literal["idle", "eager", "timeout"]
+FLUSH_POLICIES: tuple[str, ...] = get_args(FlushPolicy)
 
 
 def _admits_bool(annotation: Any) -> bool:
@@ -80,6 +102,60 @@ class BackendOptions(BaseModel):
             if not _admits_bool(cls.model_fields[info.field_name].annotation):
                 raise ValueError(f"expected a number, got the bool {value!r}")
         return value
+
+
+def default_kv_cache_bytes() -> int:
+    """At most 4 GiB, and at most a sixth of this machine's memory."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 * 2**30
+    return int(min(4 * 2**30, total // 6))
+
+
+class KVReuseOptions(BackendOptions):
+    """Options of every backend built on :class:`~genlm_core.kv_reuse.KVReuse` (the hf and mlx backends
+    inherit them)."""
+
+    kv_cache_bytes: int | None = Field(
+        default_factory=default_kv_cache_bytes,
+        ge=0,
+        description="Most bytes of KV states kept for reuse (None: no limit). Default: min(4 GiB, RAM / 6).",
+    )
+    kv_cache_entries: PositiveInt = Field(4096, description="Most token sequences whose KV states are kept.")
+    reuse_kv: bool = Field(True, description="Reuse KV states of cached prefixes automatically.")
+    prefill_chunk_size: PositiveInt = Field(2048, description="Longest stretch of new tokens run in one forward pass.")
+
+
+class LiveOptions(BaseModel):
+    """How an engine keeps particles alive (a backend nests it as its ``live`` option; see
+    :mod:`genlm_core.live`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    enabled: bool = Field(
+        True,
+        description="Keep each row's context alive in the engine, so that a request extending it computes only "
+        "its new tokens; False computes every row from its whole context.",
+    )
+    lookback: PositiveInt = Field(1, description="Most tokens by which a request may extend a live sequence.")
+    max_idle_batches: PositiveInt | None = Field(
+        None,
+        description="Batches in a row a live sequence may go unclaimed before it is released (None: until evicted).",
+    )
+    max_sequences: PositiveInt | None = Field(
+        None, description="Most sequences kept alive between batches (None: as many as the engine holds)."
+    )
+
+
+class MockOptions(BackendOptions):
+    """Options of the ``mock`` backend (:class:`~genlm_core.mock.MockAsyncLM`)."""
+
+    seed: int = Field(0, description="Changes every distribution; the same seed gives the same model.")
+    scale: float = Field(3.0, gt=0, description="Standard deviation of the logits (larger is peakier).")
+    vocab_padding: int = Field(0, ge=0, description="Extra logit columns beyond the tokenizer, as padded models have.")
+    delay: float = Field(0.0, ge=0, description="Seconds each batch takes, to simulate model latency.")
+    keep_batches: int = Field(1000, ge=0, description="Most recent batches kept in `.batches` (memory stays bounded).")
 
 
 def nest_dotted(options: dict[str, Any]) -> dict[str, Any]:

@@ -112,11 +112,16 @@ def cached_models() -> list[str]:
 
 
 def _cached_snapshot(repo_id: str) -> str | None:
-    """The local snapshot folder of ``repo_id``'s main revision, or None when it is not cached."""
+    """The local snapshot folder of ``repo_id``'s main revision, or None when it is not cached. A name with
+    no folder in the cache is not looked up further (huggingface_hub's download module is not imported)."""
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants
     except ImportError:
         return None
+    if not (Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "snapshots").is_dir():
+        return None
+    from huggingface_hub import snapshot_download
+
     try:
         return str(snapshot_download(repo_id, local_files_only=True))
     except Exception:  # LocalEntryNotFoundError, and any id the cache cannot hold

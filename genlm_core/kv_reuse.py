@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -37,36 +36,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from pydantic import Field, PositiveInt
 
-from genlm_core.config import BackendOptions
+from genlm_core.config import KVReuseOptions  # defined there: options import no torch
 from genlm_core.prefix_cache import PrefixCache
 from genlm_core.request import Request
 
 #: Per layer ``(keys, values)``, each ``[rows, heads, positions, head_dim]`` (torch, MLX, ...).
 KV = list[tuple[Any, Any]]
-
-
-def default_kv_cache_bytes() -> int:
-    """At most 4 GiB, and at most a sixth of this machine's memory."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 16 * 2**30
-    return int(min(4 * 2**30, total // 6))
-
-
-class KVReuseOptions(BackendOptions):
-    """Options of every backend built on :class:`KVReuse` (the hf and mlx backends inherit them)."""
-
-    kv_cache_bytes: int | None = Field(
-        default_factory=default_kv_cache_bytes,
-        ge=0,
-        description="Most bytes of KV states kept for reuse (None: no limit). Default: min(4 GiB, RAM / 6).",
-    )
-    kv_cache_entries: PositiveInt = Field(4096, description="Most token sequences whose KV states are kept.")
-    reuse_kv: bool = Field(True, description="Reuse KV states of cached prefixes automatically.")
-    prefill_chunk_size: PositiveInt = Field(2048, description="Longest stretch of new tokens run in one forward pass.")
 
 
 class KVBlock:

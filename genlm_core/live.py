@@ -43,8 +43,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from genlm_core.config import LiveOptions  # defined there: options import no torch
 from genlm_core.lineage import Continuation
 from genlm_core.live_index import LiveIndex
 from genlm_core.request import Request
@@ -54,26 +54,6 @@ log = logging.getLogger(__name__)
 
 H = TypeVar("H")  #: the engine's handle of one sequence
 R = TypeVar("R")  #: what the engine's run returns for a batch (its rows)
-
-
-class LiveOptions(BaseModel):
-    """How an engine keeps particles alive (a backend nests it as its ``live`` option)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    enabled: bool = Field(
-        True,
-        description="Keep each row's context alive in the engine, so that a request extending it computes only "
-        "its new tokens; False computes every row from its whole context.",
-    )
-    lookback: PositiveInt = Field(1, description="Most tokens by which a request may extend a live sequence.")
-    max_idle_batches: PositiveInt | None = Field(
-        None,
-        description="Batches in a row a live sequence may go unclaimed before it is released (None: until evicted).",
-    )
-    max_sequences: PositiveInt | None = Field(
-        None, description="Most sequences kept alive between batches (None: as many as the engine holds)."
-    )
 
 
 @dataclass

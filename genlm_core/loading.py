@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
 from genlm_core.config import ModelConfig, describe_options_error, nest_dotted
 from genlm_core.errors import BackendNotFoundError, ConfigError, OptionsError
-from genlm_core.lm import AsyncLM
 from genlm_core.plugins import get_plugins
 from genlm_core.registry import BackendSpec
+
+if TYPE_CHECKING:  # imported when a model is built: a name that does not resolve fails before torch is imported
+    from genlm_core.lm import AsyncLM
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ def load_model_by_name(name: str, backend: str | None = None, llm_opts: dict[str
     _, factory = get_plugins().load_backend(spec.name)
     log.info("loading %r with backend %r", location, spec.name)
     lm = factory(location, options)
+    from genlm_core.lm import AsyncLM
+
     if not isinstance(lm, AsyncLM):
         raise TypeError(f"backend {spec.name!r} (plugin {spec.plugin!r}) returned {type(lm).__name__}, not an AsyncLM")
     return lm

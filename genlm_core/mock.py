@@ -12,22 +12,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import Field
 
-from genlm_core.config import BackendOptions
+from genlm_core.config import MockOptions  # defined there: listing backends imports no torch
 from genlm_core.hub import load_tokenizer_by_name
 from genlm_core.lm import AsyncLM, Request
 from genlm_core.tokenization import Tokenizer
-
-
-class MockOptions(BackendOptions):
-    """Options of the ``mock`` backend."""
-
-    seed: int = Field(0, description="Changes every distribution; the same seed gives the same model.")
-    scale: float = Field(3.0, gt=0, description="Standard deviation of the logits (larger is peakier).")
-    vocab_padding: int = Field(0, ge=0, description="Extra logit columns beyond the tokenizer, as padded models have.")
-    delay: float = Field(0.0, ge=0, description="Seconds each batch takes, to simulate model latency.")
-    keep_batches: int = Field(1000, ge=0, description="Most recent batches kept in `.batches` (memory stays bounded).")
 
 
 class MockAsyncLM(AsyncLM):

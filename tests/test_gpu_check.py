@@ -41,9 +41,12 @@ def test_the_dry_run_passes_with_every_part_and_section(tmp_path):
     sections = {t["section"] for p in parts.values() for t in p.get("tables", [])}
     assert sections == {"rows", "trie", "smc", "flush", "step", "profile"}
     rows = parts["rows"]["numbers"]
-    assert rows["float32"]["max_abs_diff"] <= 1e-3 and rows["float32"]["row_devices"] == ["cpu"]
-    assert rows["bfloat16"]["max_abs_diff"] <= rows["bfloat16"]["tolerance"]
-    assert all(v["max_abs_diff"] <= 1e-12 for v in parts["trie"]["numbers"].values())
+    for dtype in ("float32", "bfloat16"):  # within twice HF's own unbatched error against float64
+        assert rows[dtype]["max_abs_diff"] <= rows[dtype]["tolerance"] == 2 * rows[dtype]["plain_diff"], rows[dtype]
+    assert rows["float32"]["row_devices"] == ["cpu"]
+    # float64 sums of V probabilities in two orders (twice bounds.sum_error in float64); maxima exact
+    assert all(v["max_abs_diff"] <= v["tolerance"] for v in parts["trie"]["numbers"].values())
+    assert all(v["tolerance"] == 0.0 for k, v in parts["trie"]["numbers"].items() if k.startswith("max"))
     assert {"flush idle", "flush eager"} <= set(parts["smc:tiny"]["numbers"])
     assert parts["overhead"]["json"]["cells"]  # bench_overhead.py ran and wrote its --json
     for key, section in gpu_check.SECTIONS.items():
@@ -137,7 +140,8 @@ def test_a_broken_tolerance_fails_the_check_and_the_vllm_parts_run_on_the_cpu_bu
     assert "FAIL [vllm:rows] rows differ from genlm-hf's by" in done.stdout
     assert [f.split(" by ")[0] for f in parts["vllm:rows"]["failures"]] == ["rows differ from genlm-hf's"]
     rows = parts["vllm:rows"]["numbers"]
-    assert rows["rows"]["vs_hf_kept"] <= 1e-4 and rows["rows"]["vs_vllm_logprobs"] <= 1e-3  # the real tolerances
+    assert rows["rows"]["vs_hf_kept"] <= rows["rows"]["tolerance_vs_hf_kept"]  # the real tolerances
+    assert rows["rows"]["vs_vllm_logprobs"] <= rows["rows"]["tolerance_vs_vllm_logprobs"]
     assert rows["live"]["forked"] > 0 and rows["live"]["tokens_copied"] > 0
     smc = parts["vllm:smc:vtiny"]["numbers"]
     assert {f"N{n} p{p} {m}" for n in (4, 8) for p in (24, 100) for m in ("lipogram", "none")} <= set(smc)

@@ -1,5 +1,7 @@
 """Fresh installs from this repo's wheels, as a new user makes them: each install the README names runs
-``genlm backends`` and every runnable example of the README (the Quick start first).
+``genlm backends`` and every runnable example of the README (the Quick start first). And the set-up's example
+step resolves, from the registry, only to packages that scripts/constraints.txt pins, so the full set-up
+(which passes the same constraints) changes none of them.
 
 One fresh virtualenv, in two states: genlm-core with genlm-hf (transformers resolves to the newest of the
 tested range), and genlm-core alone (genlm-hf and accelerate uninstalled) with transformers held at the range's
@@ -10,6 +12,7 @@ model hub is never reached.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from .test_readme import blocks, promised_prints
@@ -117,3 +121,40 @@ def test_core_alone_runs_the_readme_on_the_oldest_tested_transformers(fresh_venv
     home.mkdir()
     check_readme_runs(python, home, {"mock"})
     assert installed_transformers(python) == Version(floor)
+
+
+def test_the_example_steps_resolution_is_pinned_by_the_constraints_the_full_set_up_passes(tmp_path):
+    """``bash scripts/bootstrap.sh example``'s two installs, resolved from scratch (``--dry-run --report
+    --ignore-installed``: pip reads the wheels' metadata files, it downloads no large wheel) with the
+    constraints: every package they would install is pinned there, at the version the full set-up resolves
+    (tests/test_bootstrap.py checks this virtualenv against the pins). A package the example step starts to
+    pull that is not pinned would float, and the full set-up could then change it."""
+    bootstrap = (ROOT / "scripts" / "bootstrap.sh").read_text()
+    steps = [["torch==2.13.0"], ["-e", ".", "-e", "plugins/genlm_hf", "gguf"]]
+    for step in steps:  # the commands this test resolves are the script's
+        assert f"pip_install {' '.join(step)}\n" in bootstrap, step
+    assert "constraints=(-c scripts/constraints.txt)" in bootstrap
+    report = tmp_path / "report.json"
+    checked(
+        sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", report,
+        "-c", ROOT / "scripts" / "constraints.txt", *steps[0], *steps[1], cwd=ROOT,
+    )  # fmt: skip
+    pins = {}
+    for line in (ROOT / "scripts" / "constraints.txt").read_text().splitlines():
+        if line.split("#")[0].strip():
+            name, version = line.split("#")[0].strip().split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = SpecifierSet(f"=={version}")
+    resolved = {
+        re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower(): Version(item["metadata"]["version"])
+        for item in json.loads(report.read_text())["install"]
+        if not item["download_info"].get("dir_info", {}).get("editable")
+    }
+    assert resolved, "the dry run resolved nothing"
+    unpinned = {name: str(v) for name, v in resolved.items() if name not in pins}
+    assert not unpinned, (
+        f"the example step would install these unpinned (add them to scripts/constraints.txt): {unpinned}"
+    )
+    # what -c guarantees, checked: == without a local label matches torch's 2.13.0+cpu
+    assert all(v in pins[name] for name, v in resolved.items()), {
+        n: (str(v), str(pins[n])) for n, v in resolved.items()
+    }

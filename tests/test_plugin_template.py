@@ -10,7 +10,7 @@ import pytest
 
 from genlm_core import load_model_by_name
 from genlm_core.cli import main
-from genlm_core.testing import check_lm_contract
+from genlm_core.testing import bounds, check_lm_contract
 from genlm_core.testing.tokenizers import load_tokenizer
 
 pytest.importorskip("genlm_example", reason="install it: pip install -e examples/plugin_template")
@@ -23,10 +23,19 @@ def tokenizer_dir(tmp_path_factory):
     return str(folder)
 
 
-def test_backends_lists_the_template(capsys):
-    assert main(["backends"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("example "))
-    assert "genlm-example" in line and "yes" in line
+def test_backends_lists_the_template(capsys, monkeypatch):
+    from genlm_core.plugins import reset_plugins
+
+    monkeypatch.setenv("GENLM_PLUGINS", "example")  # --check imports only the built-ins and the template
+    reset_plugins()
+    try:
+        for argv, runs in ((["backends"], "installed"), (["backends", "--check"], "yes")):
+            assert main(argv) == 0
+            line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("example "))
+            assert "genlm-example" in line and f"  {runs}  " in line
+    finally:
+        monkeypatch.delenv("GENLM_PLUGINS")
+        reset_plugins()
 
 
 def test_rows_are_the_smoothed_bigram_probabilities(tokenizer_dir, tmp_path):
@@ -42,11 +51,24 @@ def test_rows_are_the_smoothed_bigram_probabilities(tokenizer_dir, tmp_path):
     vocab = lm.vocab_size
     the, cat = ids[0], ids[1]
     row = lm.next_token_logprobs_sync([5, the])
+
+    def tol(logits_size, logprob):
+        """float64 logits (``log(count + k)``) rounded to float32 (U32 |x| each, which moves a logprob by at
+        most twice the largest), then a float32 log_softmax over the vocabulary, against a float64 closed form"""
+        return bounds.Bound(
+            2 * bounds.U32 * logits_size
+            + float(bounds.log_softmax_error(vocab, logprob))
+            + 8 * bounds.U64 * abs(logprob),
+            f"float32 rounding of logits <= {logits_size:.3g} + float32 log_softmax over V={vocab}",
+        )
+
+    largest = max(abs(math.log(k)), math.log(max(pairs.values()) + k))
     for nxt in (cat, ids[-1], 0):
         expected = math.log((pairs[(the, nxt)] + k) / (firsts[the] + k * vocab))
-        assert row[nxt].item() == pytest.approx(expected, abs=1e-4)  # float32 rows over 50k tokens
+        bounds.within("template: smoothed bigram row", abs(row[nxt].item() - expected), tol(largest, expected))
     unseen = lm.next_token_logprobs_sync([7])  # a token never seen first: uniform
-    assert unseen.max().item() == pytest.approx(-math.log(vocab), abs=1e-4)
+    want = -math.log(vocab)
+    bounds.within("template: uniform row", abs(unseen.max().item() - want), tol(abs(math.log(k)), want))
     lm.cleanup()
 
 

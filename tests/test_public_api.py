@@ -51,3 +51,26 @@ def test_the_check_sees_plugin_sources_and_core_private_names():
 def test_no_plugin_uses_an_underscore_name_of_core():
     offenders = [use for path in PLUGIN_SOURCES for use in uses_of_core_private(path)]
     assert offenders == [], "plugins use core's private names:\n" + "\n".join(offenders)
+
+
+def test_every_public_name_of_core_imports_from_the_package():
+    """``genlm_core`` imports its public names on first use (nothing heavy at import): each one still
+    imports from the package, is the object its module defines, and is listed by ``dir``."""
+    import importlib
+
+    import genlm_core
+
+    namespace: dict = {}
+    exec("from genlm_core import *", namespace)
+    assert set(genlm_core.__all__) <= set(namespace) and len(genlm_core.__all__) >= 35
+    for name in genlm_core.__all__:
+        homes = [m for m in CORE_MODULES if getattr(importlib.import_module(m), name, None) is namespace[name]]
+        assert homes, f"genlm_core.{name} is no module's {name}"
+    assert set(genlm_core.__all__) <= set(dir(genlm_core))
+    assert not hasattr(genlm_core, "NoSuchName")
+
+
+#: The modules whose names ``genlm_core`` re-exports.
+CORE_MODULES = [
+    f"genlm_core.{p.stem}" for p in (ROOT / "genlm_core").glob("*.py") if p.stem not in ("__init__", "cli")
+] + ["genlm_core.tokenization"]

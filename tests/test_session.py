@@ -85,3 +85,47 @@ def test_the_heap_is_frozen_again_after_the_serial_folder_in_a_run_with_slow_tes
         frozen_before.append(calls == ["collect", "freeze"])
         assert calls in ([], ["collect", "freeze"])
     assert frozen_before == [False, False, False, True, False]
+
+
+def _conftest(request: pytest.FixtureRequest):
+    (conftest,) = [
+        p
+        for p in request.config.pluginmanager.get_plugins()
+        if getattr(p, "__file__", "") == str(TESTS / "conftest.py")
+    ]
+    return conftest
+
+
+@pytest.mark.parametrize("machine", [0.5, 1.0, 2.0], ids=["fast machine", "reference machine", "slow machine"])
+def test_the_fast_tiers_budget_follows_the_machines_speed(request, machine):
+    """A tier that got slower fails on a fast machine and on a slow one; a slow machine does not fail a tier
+    that did not (``TimeBudget``'s budget: ``fast_tier_budget`` scaled by the reference workload's time)."""
+    speed_reference = _conftest(request).speed_reference
+    reference = {"python": 0.08, "torch": 0.14}
+    here = {name: seconds * machine for name, seconds in reference.items()}
+    tier_budget, tier_there = 150.0, 110.0  # the budget, and what the tier took where it was set
+    budget, factor = speed_reference.budget(tier_budget, reference, [here, reference])  # the slower reading
+    assert factor == pytest.approx(max(machine, 1.0))
+    budget, factor = speed_reference.budget(tier_budget, reference, [here])
+    assert factor == pytest.approx(machine)
+    unchanged, slower = tier_there * machine, 1.5 * tier_there * machine
+    assert unchanged <= budget < slower
+
+
+def test_the_time_budget_scales_by_the_reference_workload_read_at_both_ends(request, monkeypatch):
+    """``TimeBudget`` reads the workload in the controller before the workers start and again at the end,
+    and judges the fast tier by the slower reading."""
+    conftest = _conftest(request)
+    readings = iter([{"python": 0.17, "torch": 0.28}, {"python": 0.34, "torch": 0.56}])
+    monkeypatch.setattr(conftest.speed_reference, "measure", lambda: next(readings))
+    config = request.config
+    budget = conftest.TimeBudget.__new__(conftest.TimeBudget)
+    budget.controller, budget.fast_tier, budget.tier_budget = True, True, 150.0
+    budget.reference = {"python": 0.085, "torch": 0.14}
+    budget.speeds = [conftest.speed_reference.measure()]
+    seconds, factor = budget.budget()
+    assert factor == pytest.approx(4.0) and seconds == pytest.approx(600.0)
+    assert len(budget.speeds) == 2
+    assert conftest.speed_reference.parse(config.getini("fast_tier_reference")) == conftest.speed_reference.parse(
+        conftest.REFERENCE_WORKLOAD
+    )

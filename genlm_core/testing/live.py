@@ -26,6 +26,7 @@ import torch
 
 from genlm_core.live import LiveSequences, LiveStats
 from genlm_core.lm import AsyncLM
+from genlm_core.testing import bounds
 
 Served = dict[tuple[int, ...], torch.Tensor]
 
@@ -84,7 +85,7 @@ def check_live_sequences(
     particles: int = 12,
     steps: int = 60,
     seed: int = 0,
-    atol: float = 1e-4,
+    atol: bounds.Tolerance = None,
 ) -> LiveStats:
     """Run :func:`particle_program` on ``lm`` and assert that
 
@@ -92,7 +93,9 @@ def check_live_sequences(
     - when the engine counts what its model evaluated (:meth:`~genlm_core.live.LiveEngine.evaluated_tokens`),
       that it equals the stats' ``tokens_computed``: a copy or a continuation that recomputes what it
       should have kept fails here, though its rows are right;
-    - every row equals ``lm.next_token_logprobs_uncached`` of its context (within ``atol``), a
+    - every row equals ``lm.next_token_logprobs_uncached`` of its context (within ``atol``: a number, a
+      function of the served contexts such as :func:`genlm_core.testing.bounds.rows_bound`, or ``None``
+      for two log-softmaxes of the same logits, :func:`genlm_core.testing.bounds.resolve`), a
       reference that must not be the live path: ``lm.forward_uncached`` left to AsyncLM's default is
       refused (TypeError, before anything runs), and one that runs the live sequences fails;
     - rows were continued, forked and computed fresh;
@@ -116,9 +119,11 @@ def check_live_sequences(
             f"{stats.tokens_computed} computed ({stats.tokens_copied} copied, {stats.tokens_cached} cached): a copy "
             "or a continuation recomputed positions the stats count as copied or held"
         )
-    worst, where = 0.0, 0
+    worst, where, references = 0.0, 0, []
     for context, row in served.items():
-        gap = (row - lm.next_token_logprobs_uncached(list(context))).abs().max().item()
+        reference = lm.next_token_logprobs_uncached(list(context))
+        references.append(reference)
+        gap = bounds.row_difference(row, reference)
         if not gap <= worst:  # NaN too
             worst, where = gap, len(context)
     touched = {k: getattr(live.stats, k) - getattr(after, k) for k in ("batches", "rows")}
@@ -126,7 +131,8 @@ def check_live_sequences(
         f"{type(lm).__name__}.forward_uncached ran the live sequences ({touched['batches']} batches, "
         f"{touched['rows']} rows): the reference must not be the live path"
     )
-    assert worst <= atol, f"row of a context of {where} tokens is {worst} from the uncached row"
+    tolerance = bounds.resolve(atol, [list(c) for c in served], references)
+    bounds.within("live: served vs uncached", worst, tolerance, f"the row of a context of {where} tokens")
     assert stats.continued > 0 and stats.forked > 0 and stats.fresh > 0, f"a path never ran: {stats}"
     live.release_all()
     assert len(live) == 0 and in_use() == 0, f"{in_use()} sequences still held after release_all()"

@@ -23,6 +23,7 @@ from genlm_core import (
     load_model_by_name,
 )
 from genlm_core.bytes import AsyncTokenByteTrie, BeamParams, ByteBeamState, TokenByteTrie, TrieMode
+from genlm_core.testing import bounds
 from genlm_core.testing.tokenizers import toy_tokenizer
 from genlm_core.trie import AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 
@@ -218,7 +219,7 @@ def test_trie_engines_refuse_bad_weights_and_answer_correctly_after(engine):
                 continue  # -inf is log-space zero: valid for weight_max
             with pytest.raises((TypeError, ValueError)):
                 getattr(trie, op)(ws)
-        np.testing.assert_allclose(trie.weight_sum(good), expected, rtol=1e-12)
+        np.testing.assert_array_equal(trie.weight_sum(good), expected)  # exact: the same sums of the same input
 
     refused()
 
@@ -231,10 +232,10 @@ async def test_async_tries_refuse_bad_weights_alone_and_keep_serving():
         results = await asyncio.wait_for(
             asyncio.gather(char.weight_sum(good), char.weight_sum(bad), byte.weight_sum(bad), return_exceptions=True), 5
         )
-        np.testing.assert_allclose(results[0], char.trie.weight_sum(good), rtol=1e-12)
+        np.testing.assert_array_equal(results[0], char.trie.weight_sum(good))  # exact: same sums, batched or not
         assert all(isinstance(r, (TypeError, ValueError)) for r in results[1:]), results[1:]
     # mode None is WITHOUT_EOS, as in genlm-bytes (it used to return None)
-    np.testing.assert_allclose(await byte.weight_sum(good, mode=None), byte.trie.weight_sum(good), rtol=1e-12)
+    np.testing.assert_array_equal(await byte.weight_sum(good, mode=None), byte.trie.weight_sum(good))
     with pytest.raises(ValueError, match="mode must be TrieMode"):
         await byte.weight_sum(good, mode="sideways")
     char.cleanup()
@@ -255,20 +256,27 @@ def test_half_precision_weights_work_and_match_float32(values, dtype, engine):
     """What GPU models emit: exactly the float32 answer for the same (rounded) values."""
     trie = ENGINES[engine](VOCAB)
     half = torch.tensor(values, dtype=dtype)
-    np.testing.assert_allclose(trie.weight_sum(half), trie.weight_sum(half.float()), rtol=1e-12)
-    np.testing.assert_allclose(trie.weight_sum(half), trie.weight_sum(np.array(values)), rtol=1e-2)
+    # exact: half precision widens to float32 (and float64) exactly, then the same sums
+    np.testing.assert_array_equal(trie.weight_sum(half), trie.weight_sum(half.float()))
+    # against the unrounded values: each weight rounded to half precision (relative U_half: 2**-8 for
+    # bfloat16, 2**-11 for float16; all positive, so a node's sum moves by at most U_half x its mass),
+    # plus two float64 trie sums in any order
+    u_half = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    want = trie.weight_sum(np.array(values))
+    tol = u_half * want + 2 * bounds.tree_sum_error(trie.index.parent, trie.index.depth, want)
+    bounds.within_each("half weights vs unrounded", trie.weight_sum(half), want, tol, f"{dtype} rounding + 2 trie sums")
     logs = half.log()  # computed in half precision: compare with the same values widened
-    np.testing.assert_allclose(trie.weight_max(logs), trie.weight_max(logs.float()), rtol=1e-12)
+    np.testing.assert_array_equal(trie.weight_max(logs), trie.weight_max(logs.float()))
     byte = TokenByteTrie(VOCAB)
     masses = byte.masses(half)
     reference = byte.masses(half.float())
-    assert all(math.isclose(masses[n], reference[n], rel_tol=1e-12) for n in range(byte.trie.num_nodes))
+    assert all(masses[n] == reference[n] for n in range(byte.trie.num_nodes))  # exact, as above
 
 
 async def test_async_tries_take_half_precision_weights():
     trie = AsyncTokenCharacterTrie.from_vocab(VOCAB)
     w = torch.linspace(0.1, 0.8, V, dtype=torch.bfloat16)
-    np.testing.assert_allclose(await trie.weight_sum(w), trie.trie.weight_sum(w.float()), rtol=1e-12)
+    np.testing.assert_array_equal(await trie.weight_sum(w), trie.trie.weight_sum(w.float()))  # exact widening
     trie.cleanup()
 
 
@@ -293,9 +301,21 @@ def test_byte_trie_masses_of_log_probabilities_equal_those_of_their_exponentials
     logp = torch.log_softmax(torch.linspace(-3.0, 4.0, V) ** 2, 0)
     trie = TokenByteTrie(VOCAB, eos_token_ids=[1])
     got, reference = trie.masses(logp, mode, log=True), trie.masses(logp.double().exp().numpy(), mode)
-    assert got.total == pytest.approx(reference.total, rel=1e-14) and got.eos == pytest.approx(reference.eos, rel=1e-14)
-    for n in range(trie.trie.num_nodes):
-        assert math.isclose(got[n], reference[n], rel_tol=1e-13)
+    # Two float64 exps (numpy's and torch's, each within FN_ULPS_U u of the exact value: 2 FN_ULPS_U u
+    # apart, relative) summed twice (the total in other orders; a node's slice the same way, but of
+    # other inputs): 2 FN_ULPS_U U64 S + 2 sum_error(n terms, S) for a node of n leaves.
+    exps = 2 * bounds.FN_ULPS_U * bounds.U64
+
+    def tol(n, s):
+        return bounds.Bound(exps * s + 2 * float(bounds.sum_error(n, s, bounds.U64)), f"2 float64 exps + 2 sums of {n}")
+
+    t = trie
+    bounds.within("masses(log=True): total", abs(got.total - reference.total), tol(len(t.leaf_tokens), reference.total))
+    bounds.within("masses(log=True): EOS", abs(got.eos - reference.eos), tol(len(t.eos_token_ids), reference.eos))
+    for n in range(t.trie.num_nodes):
+        if n not in (t.root, t.eos_node):
+            leaves = int(t.leaf_hi[n] - t.leaf_lo[n])
+            bounds.within("masses(log=True): node", abs(got[n] - reference[n]), tol(leaves, reference[n]), f"node {n}")
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

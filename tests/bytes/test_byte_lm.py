@@ -22,9 +22,10 @@ from genlm_core.bytes import (
     TrieMode,
 )
 from genlm_core.mock import MockAsyncLM
+from genlm_core.testing import bounds
 from genlm_core.testing.tokenizers import toy_tokenizer
 
-from .exact import Enumerator, lattice
+from .exact import Enumerator, beam_float64_error, lattice
 
 
 def wide(lm):
@@ -56,10 +57,13 @@ def test_wide_beam_equals_exact_marginalisation(request, which, text):
         context = beam.states[0].lm_state.context
         after = await beam.prefill(text)
         exact = Enumerator(lm)
-        assert after.logZ == pytest.approx(await exact.prefix_logmass(context, text), abs=1e-6)
+        want_z = await exact.prefix_logmass(context, text)
+        bounds.within("byte lm: log Z vs enumeration", abs(after.logZ - want_z), exact.tolerance(len(text)))
         got = (await after.logp_next()).ps
         want = await exact.next_byte(context, text, eos)
-        np.testing.assert_allclose(got, want, atol=1e-6)
+        assert exact.same_rows()
+        tol = exact.tolerance(len(text), next_byte=True)
+        bounds.within_each("byte lm: next byte vs enumeration", got, want, tol, tol.basis)
         beam.cleanup()
 
     asyncio.run(main())
@@ -72,17 +76,38 @@ def test_prefill_lookahead_is_the_same_beam_and_packed_rows_run_shared_tokens_on
         tiny_lm.clear_cache()
         before = tiny_lm.tokens_computed
         beam = await ByteBeamState.initial(tiny_lm, BeamParams(K=5, heal=False))
+        start = len(beam.states[0].lm_state.context)
         after = await beam.prefill(text, lookahead)
-        return after.logZ, tiny_lm.tokens_computed - before
+        kept = sorted((tuple(s.lm_state.context), s.node) for s in after.states)
+        return after.logZ, tiny_lm.tokens_computed - before, (start, kept)
+
+    def tolerance(z, start_kept):
+        """Other lookaheads batch (or pack) the rows otherwise: float32 rows of the same model that differ by
+        at most ``delta`` (:func:`bounds.model_difference` of the float32 pass's own error on these contexts),
+        which moves each row's log-mass ratios by at most ``2 delta``; a hypothesis reads one row per token
+        it committed, plus one. The same hypotheses survive pruning (checked), and the beam's own float64
+        rounding counts twice."""
+        from genlm_core.testing.models import tiny_model_dir
+
+        start, kept = start_kept
+        read = sorted({c[:k] for c, _ in kept for k in range(start, len(c) + 1)})  # every row a survivor read
+        delta = bounds.model_difference(bounds.float32_error(str(tiny_model_dir("llama", tokenizer="toy")), read))
+        rows = max(len(c) for c, _ in kept) - start + 1
+        f64 = beam_float64_error(tiny_lm.vocab_size, 2 * (len(text) + 1), 2 * abs(z) + math.log(tiny_lm.vocab_size), 5)
+        return bounds.Bound(2 * rows * float(delta) + 2 * f64, f"2 x {rows} rows x ({delta.basis}) + 2 x float64 beam")
 
     async def main():
-        z1, _ = await prefill(1)
+        z1, _, kept1 = await prefill(1)
+        tol = tolerance(z1, kept1)
         for lookahead in (2, 3, 5, None):
-            assert (await prefill(lookahead))[0] == pytest.approx(z1, abs=1e-5)
-        _, packed = await prefill(5)
+            z, _, kept = await prefill(lookahead)
+            assert kept == kept1
+            bounds.within("byte lm: prefill lookahead, tiny model", abs(z - z1), tol, f"lookahead {lookahead}")
+        _, packed, _ = await prefill(5)
         monkeypatch.setattr(tiny_lm, "packs_shared_tokens", False)
-        z_unpacked, unpacked = await prefill(5)
-        assert z_unpacked == pytest.approx(z1, abs=1e-5) and packed < unpacked
+        z_unpacked, unpacked, kept = await prefill(5)
+        assert kept == kept1 and packed < unpacked
+        bounds.within("byte lm: packed vs unpacked rows, tiny model", abs(z_unpacked - z1), tol)
 
     asyncio.run(main())
 
@@ -123,7 +148,10 @@ def test_prefill_speculates_only_what_the_beam_could_still_need(mock_lm, monkeyp
             z = await prefill(lookahead)
         finally:
             del mock_lm.next_token_logprobs  # the class's method again
-        assert z == pytest.approx(z1, abs=1e-9)
+        # exact: the mock's rows are a function of the context alone, normalised row by row (the same
+        # kernel, whatever the batch), and the beam runs the same float64 operations on them: the lookahead
+        # changes only when rows are computed
+        assert z == z1
         assert rounds and all(asked <= possible for asked, possible in rounds)
         assert sum(len(asked) for asked, _ in rounds) < sum(len(possible) for _, possible in rounds)
 
@@ -151,7 +179,7 @@ def test_prefill_sums_each_row_over_the_trie_once(mock_lm, monkeypatch):
         z1 = await prefill(1)
         monkeypatch.setattr(TokenByteTrie, "masses", counted)
         z = await prefill(4)
-        assert z == pytest.approx(z1, abs=1e-9)
+        assert z == z1  # exact, as in the test above
         assert len(rows) > 10 and len(rows) == len(set(rows))
 
     asyncio.run(main())
@@ -164,8 +192,9 @@ def test_prefill_equals_stepping_bytes_one_by_one(mock_lm):
         stepped = beam
         for b in b"the abc":  # no EOS bytes in this text: both modes agree
             stepped = await (stepped.prune() << b)
-        assert prefilled.logZ == pytest.approx(stepped.logZ, abs=1e-9)
-        np.testing.assert_allclose((await prefilled.logp_next()).ps, (await stepped.logp_next()).ps, atol=1e-9)
+        # exact: the same rows (the mock's, cached) and the same float64 operations, byte by byte
+        assert prefilled.logZ == stepped.logZ
+        np.testing.assert_array_equal((await prefilled.logp_next()).ps, (await stepped.logp_next()).ps)
         beam.cleanup()
 
     asyncio.run(main())
@@ -178,7 +207,13 @@ def test_eos_probability_is_logsumexp_of_eos_tokens(mock_lm):
         beam = await ByteBeamState.initial(mock_lm, params)
         logprobs = await mock_lm.next_token_logprobs(beam.states[0].lm_state.context)
         q = await beam.logp_next()
-        assert q[EOS] == pytest.approx(torch.logsumexp(logprobs[eos_ids].double(), 0).item(), abs=1e-6)
+        # the beam renormalises the row in float64; the float32 row sums to 1 up to normalisation_error,
+        # and the beam's float64 steps (one row, a log-sum-exp over 258) add beam_float64_error
+        want = torch.logsumexp(logprobs[eos_ids].double(), 0).item()
+        tol = float(bounds.normalisation_error(mock_lm.vocab_size)) + 2 * beam_float64_error(
+            mock_lm.vocab_size, 4, 2 * abs(want) + math.log(mock_lm.vocab_size), 258
+        )
+        bounds.within("byte lm: EOS = logsumexp of EOS tokens", abs(q[EOS] - want), tol)
         assert q[ord("c")] == -np.inf  # no other token starts with "c": its mass went to EOS
         beam.cleanup()
 
@@ -193,10 +228,16 @@ def test_eos_token_given_as_token_is_not_lost(mock_lm):
     without = trie.weight_sum(ws, TrieMode.WITHOUT_EOS)
     assert with_eos.shape == without.shape == (trie.num_nodes,)
     eos_with, eos_without = with_eos[trie.eos_node], without[trie.eos_node]
-    assert eos_with == pytest.approx(ws[0]) and eos_without == 0
+    assert eos_with == ws[0] and eos_without == 0  # one EOS token: no addition, exact
     lt = trie.node_of(b"<")
-    assert without[lt] - with_eos[lt] == pytest.approx(ws[0])  # its mass left the byte path
-    assert with_eos[trie.root] == pytest.approx(ws.sum()) == without[trie.root]
+    # its mass left the byte path: two float64 trie sums of "<" (tree_sum_error each) and the subtraction
+    index = trie.trie.index
+    tol = 2 * bounds.tree_sum_error(index.parent, index.depth, without[: trie.eos_node])[lt] + bounds.U64 * ws[0]
+    bounds.within("byte trie: EOS mass leaves its byte path", abs(without[lt] - with_eos[lt] - ws[0]), tol)
+    assert with_eos[trie.root] == without[trie.root]  # exact: the same numpy sum of the same row
+    # the root sums every token (numpy, pairwise) against another order of the same sum
+    tol = 2 * bounds.sum_error(len(ws), float(ws.sum()), bounds.U64)
+    bounds.within("byte trie: root = every token's mass", abs(with_eos[trie.root] - ws.sum()), tol)
     with pytest.raises(ValueError, match="not in the vocabulary"):
         TokenByteTrie(mock_lm.byte_vocab, eos_byte_strings=[b"<nope>"])
 
@@ -212,10 +253,12 @@ def test_duplicate_tokens(mock_lm):
         context = beam.states[0].lm_state.context
         after = await beam.prefill(b" the")
         exact = Enumerator(lm)
-        assert after.logZ == pytest.approx(await exact.prefix_logmass(context, b" the"), abs=1e-6)
-        np.testing.assert_allclose(
-            (await after.logp_next()).ps, await exact.next_byte(context, b" the", eos), atol=1e-6
-        )
+        want_z = await exact.prefix_logmass(context, b" the")
+        bounds.within("byte lm: duplicate tokens, log Z", abs(after.logZ - want_z), exact.tolerance(4))
+        got, want = (await after.logp_next()).ps, await exact.next_byte(context, b" the", eos)
+        assert exact.same_rows()
+        tol = exact.tolerance(4, next_byte=True)
+        bounds.within_each("byte lm: duplicate tokens, next byte", got, want, tol, tol.basis)
         committed = {s.lm_state.context[-1] for s in after.states if s.node == s.trie.trie.root}
         assert {tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids(" the")} <= committed | {
             e.lm_state.context[-1] for s in after.states for e in s.extend_all()
@@ -287,10 +330,12 @@ def test_lazy_byte_probs_and_chart():
     ps = np.full(258, -np.inf)
     ps[ord("a")], ps[EOS] = math.log(0.75), math.log(0.25)
     q = LazyByteProbs(ps)
-    assert q[ord("a")] == pytest.approx(math.log(0.75)) and q[None] == -np.inf and q.argmax() == ord("a")
+    assert q[ord("a")] == math.log(0.75) and q[None] == -np.inf and q.argmax() == ord("a")  # stored as given
     chart = q.materialize().map_values(math.exp)
-    assert chart[ord("a")] == pytest.approx(0.75) and chart[EOS] == pytest.approx(0.25)
-    assert q.pretty().map_values(math.exp).trim() == pytest.approx({"a": 0.75, "EOS": 0.25})
+    # exp(fl(log p)): the log's rounding (u |log p| < u) and exp's own (FN_ULPS_U u), relative
+    rel = (bounds.FN_ULPS_U + 1) * bounds.U64
+    assert chart[ord("a")] == pytest.approx(0.75, rel=rel, abs=0) and chart[EOS] == pytest.approx(0.25, rel=rel, abs=0)
+    assert q.pretty().map_values(math.exp).trim() == pytest.approx({"a": 0.75, "EOS": 0.25}, rel=rel, abs=0)
     assert Chart(0, {"x": 1}) + Chart(0, {"x": 2, "y": 1}) == {"x": 3, "y": 1}
     with pytest.raises(ValueError):
         LazyByteProbs(np.zeros(10))
@@ -304,9 +349,9 @@ def test_async_byte_trie_batches(mock_lm):
         return await asyncio.gather(*(trie.weight_sum(w, TrieMode.WITH_EOS) for w in rows))
 
     out = asyncio.run(main())
-    for w, masses in zip(rows, out):
-        np.testing.assert_allclose(masses, trie.trie.weight_sum(w, TrieMode.WITH_EOS), rtol=1e-12)
-        assert masses[trie.trie.eos_node] == pytest.approx(w[0]) and w[0] > 0
+    for w, masses in zip(rows, out):  # exact: each row of a batch is summed as it is alone
+        np.testing.assert_array_equal(masses, trie.trie.weight_sum(w, TrieMode.WITH_EOS))
+        assert masses[trie.trie.eos_node] == w[0] and w[0] > 0  # one EOS token: exact
     assert trie.batcher.stats.batches == 1
     trie.cleanup()
 

@@ -13,13 +13,16 @@ adapter of it for ``vxef/smol_lora_toy`` and the model with that adapter merged 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 import time
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from genlm_core.testing.tokenizers import cache_dir
@@ -97,6 +100,22 @@ SEED_PASSING = HERE / "seed_passing.txt"
 #: and genlm-backend imports it whole at import when it is there: about 6 CPU-s of each process's start.
 #: Under a test session it also applies the session's garbage-collector thresholds (``tests/process_site``).
 WITHOUT_VLLM = HERE / "without_vllm"
+#: How long the ``on_genlm`` fixture waits for the suites (all of them, from its start). Measured here (2 cores,
+#: the fixture's wait: the suites beside, then genlm-backend's alone): 169 s on a quiet machine with the sources
+#: and stand-ins cached (148 s beside, 21.5 s alone); 837 s with the machine loaded by other test runs and a
+#: build (load average 8 to 13), of which 133 s fetching the sources and building the stand-ins the first time.
+#: In a whole run the suites share the cores with a busy worker: about twice the quiet time, 340 s (the reference
+#: machine: 240-319 s), plus 133 s of first set-up, 473 s; twice that for the 2x spread between machines of this
+#: kind, 946 s, and a margin: 1200 s. The loaded run here fits in it; a run that does not fails with its message.
+DEADLINE_S = 1200.0
+#: Each test's own limit inside a suite (its pytest-timeout, which fails that test with its stack and goes on):
+#: the longest test, genlm-control's test_with_llm_and_fsa_sampler[topk], took 77 s on the quiet machine and
+#: over 150 s on the loaded one; twice that. A hung test ended there leaves the suites their usual time (473 s
+#: with the first set-up) inside the deadline.
+TEST_TIMEOUT_S = 300.0
+#: What a suite stopped at the deadline is given to write its results after its interrupt, before it is killed.
+STOP_GRACE_S = 30.0
+OUTPUT_TAIL_CHARS = 3000
 
 
 def source(name: str) -> Path:
@@ -128,9 +147,10 @@ def source(name: str) -> Path:
     return out
 
 
-def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 0) -> subprocess.Popen:
+def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 0) -> SuiteProcess:
     """Start pytest on ``files`` of client ``name``'s suite, writing its results to ``junit`` and its output
-    beside them (``.log``)."""
+    beside them (``.log``): each test named as it starts (``-v``), so that the output of a suite stopped at
+    its deadline ends with the test it was in."""
     env = {**os.environ, "GENLM_COMPAT": "on" if on_genlm else "off", "HF_HUB_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(WITHOUT_VLLM), os.environ.get("PYTHONPATH")) if p)
     root = source(name)
@@ -140,16 +160,27 @@ def start(name: str, on_genlm: bool, junit: Path, files: list[str], nice: int = 
             if not link.exists():
                 link.parent.mkdir(parents=True, exist_ok=True)
                 link.symlink_to(folder, target_is_directory=True)
-    command = [sys.executable, "-m", "pytest", "-p", "genlm_compat.pytest_plugin", "-p", "no:cacheprovider", "-q"]
-    with open(junit.with_suffix(".log"), "wb") as output:  # pytest's own output, beside its results
-        return subprocess.Popen(
-            [*command, "--timeout", "600", f"--junitxml={junit}", *files],
-            cwd=root,
+    command = [sys.executable, "-m", "pytest", "-p", "genlm_compat.pytest_plugin", "-p", "no:cacheprovider", "-v"]
+    command += ["--timeout", f"{TEST_TIMEOUT_S:g}", f"--junitxml={junit}", *files]
+    return launch(name, files, junit, command, cwd=root, env=env, nice=nice)
+
+
+def launch(
+    name: str, files: list[str], junit: Path, command: list[str], cwd: Path, env: dict[str, str], nice: int = 0
+) -> SuiteProcess:
+    """Run ``command`` (a pytest run of ``files`` of suite ``name`` that writes ``junit``) in a process group of
+    its own, so that it can be stopped with whatever it starts, its output in ``junit``'s ``.log``."""
+    with open(junit.with_suffix(".log"), "wb") as output:
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
             env=env,
             stdout=output,
             stderr=subprocess.STDOUT,
+            process_group=0,
             preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
+    return SuiteProcess(name, files, junit, process)
 
 
 def outcomes(name: str, junits: list[Path]) -> dict[str, str]:
@@ -164,39 +195,130 @@ def outcomes(name: str, junits: list[Path]) -> dict[str, str]:
 
 
 @dataclass
+class SuiteProcess:
+    """One pytest run of a suite's files (a suite runs in one process, or two: :data:`APART`)."""
+
+    name: str
+    files: list[str]
+    junit: Path
+    process: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)
+
+    def output_tail(self, chars: int = OUTPUT_TAIL_CHARS) -> str:
+        """The end of what the process wrote."""
+        log = self.junit.with_suffix(".log")
+        return log.read_text(errors="replace")[-chars:] if log.exists() else "(no output)"
+
+
+@dataclass
+class SuiteResult:
+    """A suite's ``{test id: outcome}``, and why any of its processes gave no results or not all of them."""
+
+    outcomes: dict[str, str]
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SuiteRuns:
     """Client suites running in processes of their own; :meth:`outcomes` waits for them."""
 
-    runs: list[tuple[str, Path, subprocess.Popen]]
+    runs: list[SuiteProcess]
 
-    def outcomes(self) -> dict[str, dict[str, str]]:
-        """Each suite's ``{test id: outcome}``, once every process has ended."""
-        for name, junit, process in self.runs:
-            code = process.wait()
-            if not junit.exists():  # pytest itself failed before writing results: show the end of its output
-                output = junit.with_suffix(".log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name}'s suite exited with {code} and no results; its output ends:\n{output}")
-        names = dict.fromkeys(name for name, _, _ in self.runs)
-        return {name: outcomes(name, [junit for n, junit, _ in self.runs if n == name]) for name in names}
+    def outcomes(self, deadline: float | None = None, grace_s: float = STOP_GRACE_S) -> dict[str, SuiteResult]:
+        """Each suite's results, once all its processes have ended or at ``deadline`` (``time.monotonic()``;
+        ``None``: no deadline). There a process still running is stopped (:func:`stop_group`: an interrupt,
+        and after ``grace_s`` a kill of its process group) and named in its suite's problems with how long
+        it ran and the end of its output. What it wrote before it stopped still counts."""
+        try:
+            for run in self.runs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    run.process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            late = [run for run in self.runs if run.process.poll() is None]
+            ran = {id(run): time.monotonic() - run.started for run in late}
+            stop_group([run.process for run in late], grace_s)
+        except BaseException:  # interrupted while waiting: leave nothing running
+            self.stop()
+            raise
+        results = {run.name: SuiteResult({}) for run in self.runs}
+        for run in self.runs:
+            result = results[run.name]
+            what = f"{run.name}'s suite ({' '.join(run.files)})"
+            if id(run) in ran:
+                result.problems.append(
+                    f"{what} did not finish by its deadline: stopped after {ran[id(run)]:.0f} s; "
+                    f"its output ends:\n{run.output_tail()}"
+                )
+            elif not run.junit.exists():  # pytest failed before writing results
+                result.problems.append(
+                    f"{what} exited with {run.process.returncode} and no results; its output ends:\n{run.output_tail()}"
+                )
+            if run.junit.exists():
+                try:
+                    result.outcomes.update(outcomes(run.name, [run.junit]))
+                except ET.ParseError as error:  # killed while it wrote them
+                    result.problems.append(f"{what} left unreadable results ({error})")
+        return results
+
+    @property
+    def names(self) -> list[str]:
+        """The suites, in the order they were started."""
+        return list(dict.fromkeys(run.name for run in self.runs))
 
     def stop(self) -> None:
-        """End the processes still running (a session that stops early)."""
-        for _, _, process in self.runs:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        """End the processes still running, and what they started (a session that stops early)."""
+        stop_group([run.process for run in self.runs if run.process.poll() is None], grace_s=0)
+
+
+def stop_group(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """Interrupt each process's group (pytest then writes the results it has and where it was), wait up to
+    ``grace_s`` seconds for them all, then kill the groups: what the processes started ends with them."""
+    if not processes:
+        return
+    if grace_s > 0:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGINT)
+        end = time.monotonic() + grace_s
+        for process in processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, end - time.monotonic()))
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def results_by(
+    deadline: float,
+    first: SuiteRuns,
+    then: list[str],
+    start_then: Callable[[list[str]], SuiteRuns],
+    grace_s: float = STOP_GRACE_S,
+) -> dict[str, SuiteResult]:
+    """The results of the suites running in ``first``, then of the suites ``then``, started (``start_then``)
+    once ``first``'s have ended: all of them by ``deadline`` (``time.monotonic()``), where what still runs is
+    stopped (:meth:`SuiteRuns.outcomes`). A suite of ``then`` that the deadline leaves no time for is not
+    started, and says so."""
+    found = first.outcomes(deadline, grace_s)
+    if not then:
+        return found
+    if time.monotonic() >= deadline:
+        ran = ", ".join(first.names) or "nothing"
+        why = f"not started: the deadline passed while the suites before it ran ({ran})"
+        return {**found, **{name: SuiteResult({}, [f"{name}'s suite was {why}"]) for name in then}}
+    return {**found, **start_then(then).outcomes(deadline, grace_s)}
 
 
 def start_all(names: list[str], on_genlm: bool, folder: Path, nice: int = 0) -> SuiteRuns:
     """Start the selected files of every suite in ``names`` at once (the files of :data:`APART` in a process
     of their own), ``nice`` steps below this process's CPU priority."""
-    runs: list[tuple[str, Path, subprocess.Popen]] = []
+    runs: list[SuiteProcess] = []
     for name in names:
         apart = APART.get(name, [])
         parts = [p for p in ([f for f in FILES[name] if f not in apart], apart) if p]
         for i, files in enumerate(parts):
             junit = folder / f"{name}-{on_genlm}-{i}.xml"
-            runs.append((name, junit, start(name, on_genlm, junit, files, nice)))
+            runs.append(start(name, on_genlm, junit, files, nice))
     return SuiteRuns(runs)
 
 
@@ -210,7 +332,10 @@ def main(names: list[str]) -> None:
         results = {}
         for side in (False, True):
             began = time.perf_counter()
-            results[side] = start_all([name], side, Path("/tmp")).outcomes()[name]
+            result = start_all([name], side, Path("/tmp")).outcomes()[name]
+            if result.problems:
+                raise RuntimeError("\n".join(result.problems))
+            results[side] = result.outcomes
             results[side, "s"] = time.perf_counter() - began
         for side, label in ((False, "the seeds (genlm-backend, genlm-bytes)"), (True, "genlm (install())")):
             counts = {k: sum(v == k for v in results[side].values()) for k in ("passed", "failure", "error", "skipped")}

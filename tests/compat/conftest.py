@@ -8,17 +8,22 @@ that times genlm's batcher against the wall clock) run last, when the others hav
 
 Under pytest-xdist every worker collects every test, and the other workers use the spare cores: there the
 suites start when the worker that runs their tests first asks for ``on_genlm``.
+
+The fixture waits for them all until its deadline (``client_suites.DEADLINE_S`` from when it starts), stops what
+still runs there and gives each suite its results and what kept it from finishing; the tests that read them
+fail with that (their own time limit is above the deadline: ``test_client_suites.py``).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from .client_suites import ALONE, SuiteRuns, start_all
+from .client_suites import ALONE, DEADLINE_S, SuiteResult, SuiteRuns, results_by, start_all
 
 SUITE_RUNS = pytest.StashKey[SuiteRuns]()
 _ALONE = pytest.StashKey[list[str]]()
@@ -52,11 +57,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="session")
-def on_genlm(request: pytest.FixtureRequest) -> dict[str, dict[str, str]]:
-    """Every selected suite's ``{test id: outcome}`` on genlm, once its processes have ended."""
+def on_genlm(request: pytest.FixtureRequest) -> dict[str, SuiteResult]:
+    """Every selected suite's results on genlm (``SuiteResult``: ``{test id: outcome}`` and its problems), once
+    its processes have ended, or ``DEADLINE_S`` from now at the latest: what still runs then is stopped."""
     config = request.config
+    deadline = time.monotonic() + DEADLINE_S
     if SUITE_RUNS not in config.stash:  # a pytest-xdist worker: this one runs the suites' tests
         start_beside(config)
-    found = config.stash[SUITE_RUNS].outcomes()
-    config.stash[SUITE_RUNS] = alone = start_all(config.stash[_ALONE], on_genlm=True, folder=config.stash[_FOLDER])
-    return {**found, **alone.outcomes()}
+    folder = config.stash[_FOLDER]
+    return results_by(
+        deadline,
+        config.stash[SUITE_RUNS],
+        config.stash[_ALONE],
+        lambda names: start_all(names, on_genlm=True, folder=folder),
+    )

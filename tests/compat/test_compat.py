@@ -4,6 +4,7 @@ that give genlm-backend's outputs on genlm."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from genlm.backend.llm import MockAsyncLM as SeedMock  # noqa: E402
 from genlm.backend.tokenization import Token as SeedToken  # noqa: E402
 
 from genlm_core import load_model_by_name  # noqa: E402
+from genlm_core.testing import bounds  # noqa: E402
 from genlm_core.testing.models import tiny_model_dir  # noqa: E402
 
 from .programs import control_program, llamppl_program  # noqa: E402
@@ -38,26 +40,28 @@ def ours(model_dir):
     lm.cleanup()
 
 
-def test_wrap_has_the_seed_interface(ours, seed_lm):
+def test_wrap_has_the_seed_interface(ours, seed_lm, model_dir):
     assert isinstance(ours, SeedTransformer) and genlm_compat.wrap(ours) is ours
     assert genlm_compat.wrap(ours.genlm_lm) is ours  # one wrapper (and one Token list) per model
     assert all(type(t) is SeedToken for t in ours.byte_vocab)
     assert ours.byte_vocab == seed_lm.byte_vocab and ours.str_vocab == seed_lm.str_vocab
     ctx = seed_lm.tokenizer.encode("Hello there, how are")
     want = seed_lm.next_token_logprobs_uncached(ctx)
+    # two float32 passes of one model (genlm-backend's and genlm's, alone or in a batch of 2)
+    tol = bounds.model_difference(bounds.float32_error(model_dir, [ctx, ctx[:2]]), what="the tiny llama")
     for got in (
         ours.next_token_logprobs_sync(ctx),
         ours.next_token_logprobs_uncached(ctx),
         asyncio.run(ours.next_token_logprobs(ctx)),
         ours.batch_next_token_logprobs_sync([ctx[:2], ctx])[1],
     ):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        bounds.within("compat: row vs genlm-backend's", bounds.row_difference(got, want), tol)
     ours.cache_kv(ctx[:3])
     ours.clear_kv_cache()
     ours.reset_async_queries()
 
 
-def test_a_batch_is_the_callers_own_tensor_as_genlm_backends_is(ours):
+def test_a_batch_is_the_callers_own_tensor_as_genlm_backends_is(ours, model_dir):
     """genlm's step call returns the rows' block (shared with its output cache); through the wrapper a
     program may write into the batch, as genlm-backend allowed, without changing any later row."""
     ours.clear_cache()
@@ -71,8 +75,10 @@ def test_a_batch_is_the_callers_own_tensor_as_genlm_backends_is(ours):
         return await ours.batch_next_token_logprobs(contexts), await ours.next_token_logprobs(contexts[1])
 
     again, one = asyncio.run(main())
+    # rows of a batch of 4 against rows computed alone: two float32 passes of one model
+    tol = bounds.model_difference(bounds.float32_error(model_dir, contexts), what="the tiny llama")
     for got, expected in zip([*again, one], [*want, want[1]]):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        bounds.within("compat: batch row vs uncached", bounds.row_difference(got, expected), tol)
 
 
 def test_sampling_follows_the_seeds_contract(ours, seed_lm):
@@ -133,14 +139,26 @@ async def test_tries_match_genlm_backends_structure_and_values(ours, backend):
     got, want = await mine.weight_sum(ws), await seed.weight_sum(ws)
     # positive weights: genlm-backend's sequential weight_max starts from 0, wrong for log weights
     got_max, want_max = await mine.weight_max(ws), await seed.weight_max(ws)
-    for word, leaf in s.word2leaf.items():
-        assert got[m.word2leaf[word]] == pytest.approx(want[leaf], rel=1e-5)
+    # genlm-backend's parallel trie rounds the weights to float32 (U32 w each) and sums in float32, its
+    # sequential one sums in float64; ours sums in float64. A node sums at most len(vocab) weights, all
+    # positive: sum_error of that many terms, relative to the node's mass. A max rounds nothing but the
+    # float32 input.
+    u, rounds_input = (bounds.U32, 1.0) if backend == "parallel" else (bounds.U64, 0.0)
+
+    def sum_tol(n, mass):
+        theirs = rounds_input * u * mass + float(bounds.sum_error(n, mass, u))
+        return bounds.Bound(theirs + float(bounds.sum_error(n, mass, bounds.U64)), f"{backend} trie: {n} terms")
+
+    for word, leaf in s.word2leaf.items():  # one token each: ours exact, theirs the weight rounded to float32
+        got_leaf = got[m.word2leaf[word]]
+        assert want[leaf] == (float(np.float32(got_leaf)) if backend == "parallel" else got_leaf)
     for prefix in ([], [ord(" ")], [ord(" "), ord("t")], [EOS]):
         ns, nm = s.root, m.root
         for letter in prefix:
             ns, nm = s.children[ns][letter], m.children[nm][letter]
-        assert got[nm] == pytest.approx(want[ns], rel=1e-5)  # genlm-backend's parallel trie sums in float32
-        assert got_max[nm] == pytest.approx(want_max[ns], rel=1e-6)
+        bounds.within("compat: node mass vs genlm-backend's", abs(got[nm] - want[ns]), sum_tol(len(vocab), got[nm]))
+        max_tol = bounds.Bound(rounds_input * u * abs(got_max[nm]), "a max of float32-rounded weights")
+        bounds.within("compat: node max vs genlm-backend's", abs(got_max[nm] - want_max[ns]), max_tol)
     await mine.cleanup()
     await seed.cleanup()
 
@@ -285,5 +303,11 @@ def test_a_third_party_backend_is_wrapped_with_the_base_class(toy_tok):
         wrapped = genlm_compat.wrap(lm)
         assert genlm_compat.lm.backend_of(lm) == "thirdparty"
         assert isinstance(wrapped, SeedAsyncLM) and not isinstance(wrapped, (SeedMock, SeedTransformer))
-        assert wrapped.next_token_logprobs_sync([1]).exp().sum().item() == pytest.approx(1.0)
+        # uniform float32 logprobs, each off -log V by log_softmax_error; exp (FN_ULPS_U u32 each) and a
+        # float32 sum of V terms
+        row = wrapped.next_token_logprobs_sync([1])
+        v = row.numel()
+        entry = float(bounds.log_softmax_error(v, math.log(v)))
+        tol = math.expm1(entry) + bounds.FN_ULPS_U * bounds.U32 + float(bounds.sum_error(v, 1.0 + entry))
+        bounds.within("compat: wrapped row sums to 1", abs(row.exp().sum().item() - 1.0), tol)
         lm.cleanup()

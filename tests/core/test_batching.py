@@ -40,7 +40,7 @@ async def test_flushes_at_batch_size_without_waiting_for_timeout():
 
 def test_flush_policy_counts_the_timeout_from_the_oldest_request():
     """The policy as a function of an injected clock: requests queued at t=0 and t=0.1, timeout 0.2."""
-    assert flush_delay(0.0, 2, now=0.1, batch_size=100, timeout=0.2) == pytest.approx(0.1)
+    assert flush_delay(0.0, 2, now=0.1, batch_size=100, timeout=0.2) == 0.1  # exact: 0.2 - 0.1 rounds to 0.1
     assert flush_delay(0.0, 2, now=0.2, batch_size=100, timeout=0.2) == 0.0  # not 0.3: the oldest decides
     assert flush_delay(0.0, 100, now=0.0, batch_size=100, timeout=0.2) == 0.0  # full: at once
     assert flush_delay(5.0, 1, now=0.0, batch_size=100, timeout=0.0) == 5.0  # a clock behind waits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,22 +24,34 @@ def test_table_aligns_columns():
     assert set(out[1]) <= {"-", " "}
 
 
-def test_backends_lists_backends_engines_versions_and_failures(fresh_plugins, capsys):
+@pytest.fixture
+def only_registered(monkeypatch):
+    """No installed plugin but the built-ins: ``--check`` imports only those and the test's own."""
+    monkeypatch.setenv("GENLM_PLUGINS", "")
+    from genlm_core.plugins import reset_plugins
+
+    yield reset_plugins()
+    reset_plugins()
+
+
+def test_backends_lists_backends_engines_versions_and_failures(only_registered, capsys):
     class Broken:
         @hookimpl
         def register_backends(self, register):
             raise ImportError("needs libfoo")
 
-    with registered(Broken(), "genlm-broken-plugin"):
-        assert main(["backends"]) == 0
-    out = capsys.readouterr().out
-    mock_line = next(line for line in out.splitlines() if line.startswith("mock "))
-    assert "genlm-core" in mock_line and "0.1.0" in mock_line and "yes" in mock_line
-    assert any(line.startswith("numba ") and "trie engine" in line for line in out.splitlines())
-    assert "failed to load" in out and "genlm-broken-plugin" in out and "needs libfoo" in out
+    for argv, runs in ((["backends"], "installed"), (["backends", "--check"], "yes")):
+        with registered(Broken(), "genlm-broken-plugin"):
+            assert main(argv) == 0
+        out = capsys.readouterr().out
+        mock_line = next(line for line in out.splitlines() if line.startswith("mock "))
+        assert "genlm-core" in mock_line and "0.1.0" in mock_line and f"  {runs}  " in mock_line
+        assert any(line.startswith("numba ") and "trie engine" in line and runs in line for line in out.splitlines())
+        assert "failed to load" in out and "genlm-broken-plugin" in out and "needs libfoo" in out
+        assert ("`genlm backends --check` imports each engine" in out) == (runs == "installed")
 
 
-def test_backends_prints_what_a_backend_can_do_here(fresh_plugins, capsys):
+def test_backends_prints_what_a_backend_can_do_here(only_registered, capsys):
     class Modes:
         @hookimpl
         def register_backends(self, register):
@@ -50,10 +63,125 @@ def test_backends_prints_what_a_backend_can_do_here(fresh_plugins, capsys):
 
     with registered(Modes(), "genlm-modes-plugin"):
         assert main(["backends"]) == 0
+        assert "on this machine:" not in capsys.readouterr().out  # a listing runs no probe
+        assert main(["backends", "--check"]) == 0
     out = capsys.readouterr().out
     assert "fast on this machine: modes A and B" in out
     assert "absent on this machine" not in out  # a backend that cannot run here says nothing more
     assert "odd on this machine: could not tell: ZeroDivisionError" in out
+
+
+def test_only_check_imports_a_factory_and_a_factory_that_does_not_import_is_no(
+    only_registered, capsys, tmp_path, monkeypatch
+):
+    """A listing finds that the factory's module is there without importing it; ``--check`` imports it: a
+    module that raises on import is "no" with its error, and a failure of its plugin."""
+    (tmp_path / "genlm_test_broken_engine.py").write_text(
+        "import sys\n"
+        "sys.modules['genlm_test_broken_engine_ran'] = sys\n"
+        "raise ImportError('libengine.so: no such file')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Engine:
+        @hookimpl
+        def register_backends(self, register):
+            register.backend("engine", "genlm_test_broken_engine:Model", install="pip install engine-lib")
+
+    with registered(Engine(), "genlm-engine"):
+        assert main(["backends"]) == 0
+        out = capsys.readouterr().out
+        assert next(line for line in out.splitlines() if line.startswith("engine ")).split()[4] == "installed"
+        assert "genlm_test_broken_engine_ran" not in sys.modules and "failed to load" not in out
+        assert main(["backends", "--check"]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("engine "))
+    assert "no: its engine does not import (ImportError: libengine.so: no such file); install what it needs: " in line
+    assert line.split("install what it needs: ")[1].startswith("pip install engine-lib")
+    assert "genlm_test_broken_engine_ran" in sys.modules  # the module did run: --check imported it
+    failures = out.split("plugins that failed to load:")[1]
+    assert "genlm-engine" in failures and "'genlm_test_broken_engine:Model' of 'engine' does not resolve" in failures
+
+
+#: What only using an engine may import: ``genlm backends`` and a mistyped model name import none of these.
+HEAVY = ("torch", "transformers", "vllm", "mlx.core", "mlx_lm", "llama_cpp", "numba")
+
+
+def in_fresh_interpreter(argv: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, set]:
+    """``genlm ARGV`` (as the console script runs it) in a new interpreter, and the heavy modules it imported
+    (``sys.modules`` printed at exit, after everything the command did)."""
+    program = (
+        "import atexit, json, sys\n"
+        f"atexit.register(lambda: print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr))\n"
+        "from genlm_core.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "GENLM_PLUGINS"}
+    done = subprocess.run(
+        [sys.executable, "-c", program, *argv], capture_output=True, text=True, timeout=300, env={**base, **(env or {})}
+    )
+    return done, set(json.loads(done.stderr.strip().splitlines()[-1]))
+
+
+def test_backends_lists_every_installed_plugin_without_importing_an_engine():
+    import importlib.metadata
+
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="genlm")}
+    done, imported = in_fresh_interpreter(["backends"])
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[2:] if line.strip()}
+    assert installed <= set(rows) and "hf" in installed, done.stdout  # every plugin registered (the repo's, here)
+    assert "failed to load" not in done.stdout, done.stdout
+    assert imported == set(), f"genlm backends imported {sorted(imported)}"
+
+
+@pytest.mark.parametrize(
+    "argv", [["logprobs", "gpt3-typo", "x", "--backend", "hf"], ["continue", "smolm2", "x", "-b", "hf"]]
+)
+def test_a_mistyped_model_name_fails_before_anything_heavy_is_imported(tmp_path, argv):
+    """The name is resolved (here: the hub is offline, the name is nowhere) before torch or the engine is
+    imported, so it fails as fast as the interpreter starts (tests/core/test_hub.py times it with the hub)."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "GENLM_CACHE_DIR": str(tmp_path / "genlm")}
+    done, imported = in_fresh_interpreter(argv, env)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.splitlines()[0].startswith("genlm: error: ") and "offline mode is on" in done.stderr
+    assert imported == set(), f"genlm {' '.join(argv)} imported {sorted(imported)} before the name failed"
+
+
+@pytest.mark.slow
+@pytest.mark.process
+def test_backends_check_reports_what_each_installed_backend_says_here():
+    """``--check`` gives each installed component's own verdict, as the listing did before it imported
+    nothing: its check, its factory imported, and its ``details`` line (vLLM's modes)."""
+    program = """
+import json
+from genlm_core.plugins import get_plugins
+
+plugins, verdicts = get_plugins(), {}
+for name, spec in [*plugins.backends().items(), *plugins.trie_engines().items()]:
+    reason = spec.unavailable_reason()
+    if reason is None:
+        try:
+            spec.load()
+        except Exception as exc:
+            reason = f"its engine does not import ({type(exc).__name__}"
+    verdicts[name] = "yes" if reason is None else f"no: {reason}"
+details = {name: spec.details_here() for name, spec in plugins.backends().items()}
+print(json.dumps([verdicts, details]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "GENLM_PLUGINS"}
+    reference = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600, env=env)
+    assert reference.returncode == 0, reference.stderr
+    expected, details = json.loads(reference.stdout.strip().splitlines()[-1])
+    done, imported = in_fresh_interpreter(["backends", "--check"])
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line for line in done.stdout.split("\n\n")[0].splitlines()[2:]}
+    assert set(rows) == set(expected), done.stdout
+    for name, verdict in expected.items():
+        assert f"  {verdict}" in rows[name], (name, verdict, rows[name])
+    for name, line in details.items():
+        assert (f"\n{name} on this machine: {line}\n" in done.stdout) == (line is not None), (name, line)
+    assert "torch" in imported and "failed to load" not in done.stdout
 
 
 def test_options_lists_schema(capsys):
@@ -72,7 +200,10 @@ def test_logprobs_prints_top_k_table_matching_the_model(capsys):
     lm = MockAsyncLM.from_name("gpt2", seed=5)
     expected = lm.next_token_logprobs_sync(lm.tokenizer.encode("Hello world")).topk(3)
     assert [int(r[1]) for r in rows] == expected.indices.tolist()
-    assert [float(r[-2]) for r in rows] == pytest.approx(expected.values.tolist(), abs=1e-4)
+    # the same float32 row (same seed, same context, computed alone both times), printed with 4 decimals:
+    # off by half the last digit, plus the parse's rounding
+    for r, want in zip(rows, expected.values.tolist()):
+        assert r[-2] == f"{want:.4f}"  # exact: the same row, printed the same way
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from genlm_core.kv_reuse import (
     plan_merged,
 )
 from genlm_core.request import Request
+from genlm_core.testing import bounds
 
 
 def make_block(rows, length, mask=None):
@@ -245,12 +246,14 @@ class NumpyAttention(KVReuse):
         yield
         self.adapter = None
 
-    def reference(self, ids, adapter=None):
-        """The uncached, unbatched forward pass: logits after ``ids``."""
-        h = self.embed[list(ids)] + self.shift[adapter] + self.position[: len(ids)]
+    def reference(self, ids, adapter=None, dtype=np.float64):
+        """The uncached, unbatched forward pass: logits after ``ids`` (in ``dtype``: ``np.longdouble``
+        measures the float64 pass's own rounding error)."""
+        embed, position, head = (x.astype(dtype) for x in (self.embed, self.position, self.head))
+        h = embed[list(ids)] + dtype(self.shift[adapter]) + position[: len(ids)]
         for _ in range(self.LAYERS):
             h = h + attend(h, h, np.tri(len(ids), dtype=bool))
-        return h[-1] @ self.head
+        return h[-1] @ head
 
     def gather_kv(self, gather):
         size = gather.length + gather.room
@@ -295,10 +298,30 @@ def attend(queries, keys, sees):
     return (weights / weights.sum(-1, keepdims=True)) @ keys
 
 
-def check(model, contexts, adapters=None, tol=1e-9):
+def check(model, contexts, adapters=None, float32_rows=False):
+    """Each row against the uncached float64 pass. Two float64 computations of one model (the cached,
+    batched, padded one and the reference) differ by accumulation order: :func:`bounds.model_difference`
+    of the reference's own rounding error, measured against an extended-precision run (x86's 80-bit
+    long double; where long double is float64 that measures 0 and the floor below is the bound), with
+    a floor of 8 roundings of the largest logit. Rows of several adapters come back float32: plus the
+    float32 rounding of each logit, ``U32 |x|``."""
     rows = model.rows(contexts, adapters)
-    for row, ids, adapter in zip(rows, contexts, adapters or [None] * len(contexts)):
-        assert np.abs(row.double().numpy() - model.reference(ids, adapter)).max() <= tol
+    adapters = adapters or [None] * len(contexts)
+    refs = [model.reference(ids, adapter) for ids, adapter in zip(contexts, adapters)]
+    own = max(
+        float(np.abs(ref - model.reference(ids, adapter, np.longdouble)).max())
+        for ref, ids, adapter in zip(refs, contexts, adapters)
+    )
+    largest = max(float(np.abs(ref).max()) for ref in refs)
+    tol = bounds.Bound(
+        float(bounds.model_difference(own, what="a float64 numpy attention"))
+        + 8 * bounds.U64 * largest
+        + (bounds.U32 * largest if float32_rows else 0.0),
+        f"4 x float64-vs-long-double error {own:.3g} + 8 U64 x |logit| {largest:.3g}"
+        + (" + float32 rows: U32 |logit|" if float32_rows else ""),
+    )
+    for row, ids, ref in zip(rows, contexts, refs):
+        bounds.within("kv reuse: row vs uncached pass", float(np.abs(row.double().numpy() - ref).max()), tol, f"{ids}")
 
 
 @pytest.mark.parametrize("packs", [False, True])
@@ -363,7 +386,7 @@ def test_requests_of_each_adapter_run_under_it_and_keep_their_states_apart():
     model = NumpyAttention()
     prompt = list(range(10, 30))
     contexts = [prompt, prompt + [1], prompt, prompt + [1]]
-    check(model, contexts, [None, None, "a", "b"], tol=1e-5)  # rows of several adapters come back float32
+    check(model, contexts, [None, None, "a", "b"], float32_rows=True)  # rows of several adapters come back float32
     assert len(model.plans) == 3  # one pass per adapter
     before = model.tokens_computed
     check(model, [prompt + [1, 2]], ["a"])  # a's prompt is reused, not b's or the base model's prompt + [1]

@@ -9,6 +9,7 @@ import torch
 
 from genlm_core import AsyncLM, Failed, Request
 from genlm_core.live import LiveEngine, LiveSequences, NoRoom, Ran
+from genlm_core.testing import bounds
 from genlm_core.testing import live as live_kit
 from genlm_core.testing.live import check_live_sequences
 from genlm_core.testing.tokenizers import toy_tokenizer
@@ -26,6 +27,25 @@ def uncached(lm, ids):
 
 def rows(lm, contexts):
     return lm.batch_next_token_logprobs_sync(contexts)
+
+
+def close(lm, row, ids) -> bool:
+    """``row`` against the uncached row, to a bound (asserted and recorded; True to sit in an ``assert``).
+
+    Both compute the same states (the same elementwise ops on the same values: bit for bit), then logits
+    as dot products of ``dim`` float32 terms in different kernels (``[B, dim] @ out`` against
+    ``[dim] @ out``): each off by :func:`bounds.sum_error` of ``dim + 1`` terms and ``sum_k |s_k out_kj|
+    <= sum_k |out_kj|`` (``|s_k| <= 1``: tanh). A logit error ``e`` moves a log-probability by at most
+    ``2 max e`` (its own and the normaliser's), so two computations differ by ``4 max e`` before the two
+    float32 log_softmaxes (:func:`bounds.log_softmax_difference` at the row's most negative entry)."""
+    want = uncached(lm, ids)
+    dot = bounds.sum_error(lm.out.shape[0] + 1, float(lm.out.abs().sum(0).max()))
+    tol = bounds.Bound(
+        4 * float(dot) + float(bounds.log_softmax_difference(lm.vocab_size, float(want.min()))),
+        f"4 x float32 dot products of {lm.out.shape[0]} terms + two float32 log_softmax over V={lm.vocab_size}",
+    )
+    bounds.within("live: row vs uncached row", bounds.row_difference(row, want), tol, f"context {list(ids)}")
+    return True
 
 
 @pytest.mark.parametrize(
@@ -68,7 +88,7 @@ def test_the_check_fails_when_a_sequence_holds_other_tokens_than_recorded(monkey
         return True
 
     monkeypatch.setattr(lm.states, "copy", off_by_one)
-    with pytest.raises(AssertionError, match="from the uncached row"):
+    with pytest.raises(AssertionError, match="live: served vs uncached"):
         check_live_sequences(lm, lm.sequences, in_use=lambda: len(lm.states.held), steps=20)
 
 
@@ -93,7 +113,7 @@ def test_each_placement_rule_and_its_counters():
     served[(9, 10, 2)] = rows(lm, [(9, 10, 2)])[0]
     assert s.copied == 3 and s.rows == s.continued + s.forked + s.copied + s.fresh == 8
     for context, row in served.items():
-        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+        assert close(lm, row, context)
 
 
 def test_a_sequence_nobody_continues_stays_live_until_evicted_oldest_first():
@@ -103,9 +123,9 @@ def test_a_sequence_nobody_continues_stays_live_until_evicted_oldest_first():
     s = lm.sequences.stats
     row = rows(lm, [(3, 4, 1), (7, 8)])  # continues (3, 4); (7, 8) needs an id: (1, 2) goes
     assert (s.continued, s.evicted) == (1, 1)
-    assert torch.allclose(row[1], uncached(lm, (7, 8)), atol=1e-5)
+    assert close(lm, row[1], (7, 8))
     row = rows(lm, [(1, 2, 3)])  # (1, 2) was evicted: computed fresh, never from a stale sequence
-    assert s.continued == 1 and torch.allclose(row[0], uncached(lm, (1, 2, 3)), atol=1e-5)
+    assert s.continued == 1 and close(lm, row[0], (1, 2, 3))
 
 
 def test_max_idle_batches_lets_unclaimed_sequences_go():
@@ -126,7 +146,7 @@ def test_live_off_computes_every_row_whole_and_keeps_nothing():
     s = lm.sequences.stats
     assert (s.continued, s.fresh, s.tokens_computed) == (0, 4, 13) and not lm.states.held
     for context, row in zip([*contexts, (1, 2, 3, 4, 5)], [*got, *got2]):
-        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+        assert close(lm, row, context)
 
 
 def test_a_batch_that_does_not_fit_is_computed_one_request_at_a_time():
@@ -135,7 +155,7 @@ def test_a_batch_that_does_not_fit_is_computed_one_request_at_a_time():
     got = rows(lm, contexts)
     assert lm.sequences.stats.alone == 4
     for context, row in zip(contexts, got):
-        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+        assert close(lm, row, context)
     with pytest.raises(NoRoom):  # one request alone does not fit either: a clear error
         rows(lm, [tuple(range(1, 14))])
     assert sum(map(len, lm.states.held.values())) <= 12
@@ -172,12 +192,12 @@ def test_a_failed_batch_or_row_leaves_no_sequence_of_it_live_and_serving_goes_on
         rows(lm, [(1, 2, 5), (3, 4, 13)])
     assert len(lm.sequences) == 0 and not lm.states.held  # both continued sequences are gone
     out = lm.compute_rows([Request((7, 8)), Request((9, 66))])
-    assert isinstance(out[1], Failed) and torch.allclose(out[0], uncached(lm, (7, 8)), atol=1e-5)
+    assert isinstance(out[1], Failed) and close(lm, out[0], (7, 8))
     assert set(map(len, lm.states.held.values())) == {2}  # only (7, 8) stays live
     got = rows(lm, [(1, 2, 5), (7, 8, 1)])
     assert lm.sequences.stats.continued == 1
-    assert torch.allclose(got[0], uncached(lm, (1, 2, 5)), atol=1e-5)
-    assert torch.allclose(got[1], uncached(lm, (7, 8, 1)), atol=1e-5)
+    assert close(lm, got[0], (1, 2, 5))
+    assert close(lm, got[1], (7, 8, 1))
 
 
 def check(lm, steps=20):
@@ -228,7 +248,7 @@ class DefaultReference(recurrent.RecurrentLM):
 def test_planted_an_engine_that_ignores_its_state_fails_the_check():
     lm = toy()
     with_engine(lm, IgnoresItsState(lm, 64, None))
-    with pytest.raises(AssertionError, match=r"row of a context of \d+ tokens is .* from the uncached row"):
+    with pytest.raises(AssertionError, match=r"live: served vs uncached: .* the row of a context of \d+ tokens"):
         check(lm)
 
 
@@ -337,7 +357,7 @@ def test_a_batch_larger_than_the_engine_runs_in_parts_with_right_rows_and_stats(
     assert s.rows == 25 and s.continued > 0
     assert_stats_add_up(s)
     for context, row in zip(contexts + grown, [*got, *got2]):
-        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+        assert close(lm, row, context)
     assert len(lm.states.held) <= sequences
 
 
@@ -348,7 +368,7 @@ def test_live_off_with_fewer_sequences_than_a_batch_runs_in_parts():
     s = lm.sequences.stats
     assert (s.rows, s.fresh, s.alone, s.tokens_computed) == (8, 8, 8, 16) and not lm.states.held
     for context, row in zip(contexts, got):
-        assert torch.allclose(row, uncached(lm, context), atol=1e-5)
+        assert close(lm, row, context)
 
 
 def test_a_failed_batch_counts_no_rows():

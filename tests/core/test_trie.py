@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from genlm_core import Token, decode_vocab
 from genlm_core.bytes import AsyncTokenByteTrie, TrieMode
 from genlm_core.plugins import get_plugins
+from genlm_core.testing import bounds
 from genlm_core.trie import END, AsyncTokenCharacterTrie, ParallelTokenCharacterTrie, TokenCharacterTrie
 
 ENGINES = [TokenCharacterTrie, lambda vocab: ParallelTokenCharacterTrie(vocab, device="cpu")]
@@ -20,8 +22,9 @@ ENGINE_IDS = ["numba", "torch-cpu"]
 
 
 def brute_force(trie, ws, op):
-    """Node values from the definition: reduce over tokens whose bytes start with the node's prefix."""
-    reduce = max if op == "max" else sum
+    """Node values from the definition: reduce over tokens whose bytes start with the node's prefix.
+    Sums are ``math.fsum``: correctly rounded, so off the exact sum by at most ``U64 * sum``."""
+    reduce = max if op == "max" else math.fsum
     out = []
     for node, prefix in enumerate(trie.node2prefix):
         token = int(trie.index.node_token[node])
@@ -30,6 +33,18 @@ def brute_force(trie, ws, op):
         else:
             out.append(float(reduce(w for t, w in zip(trie.decode, ws) if t.startswith(prefix))))
     return np.array(out)
+
+
+def sum_bound(trie, want, computations=1):
+    """Tolerance of ``computations`` engine sums (1: against the correctly rounded :func:`brute_force`,
+    which adds ``U64 * S``; 2: two engines against each other) of nonnegative float64 weights whose node
+    sums are ``want``: each engine is off by at most :func:`bounds.tree_sum_error` (per node, from the
+    roundings its sums can meet, in any order: any thread count or batch split)."""
+    err = bounds.tree_sum_error(trie.index.parent, trie.index.depth, want)
+    return computations * err + (bounds.U64 * np.abs(want) if computations == 1 else 0.0)
+
+
+SUM_BASIS = "float64 trie sums in any order (tree_sum_error) + a correctly rounded fsum reference"
 
 
 vocabs = st.lists(st.binary(max_size=5), min_size=1, max_size=40).flatmap(
@@ -45,7 +60,8 @@ def test_matches_brute_force(make, data, vocab):
     n = len(vocab)
     probs = np.array(data.draw(st.lists(st.floats(0, 1, allow_subnormal=False), min_size=n, max_size=n)))
     logs = np.array(data.draw(st.lists(st.floats(-50, -1e-3) | st.just(-np.inf), min_size=n, max_size=n)))
-    np.testing.assert_allclose(trie.weight_sum(probs), brute_force(trie, probs, "sum"), rtol=1e-12, atol=0)
+    want = brute_force(trie, probs, "sum")
+    bounds.within_each("trie: sum vs brute force", trie.weight_sum(probs), want, sum_bound(trie, want), SUM_BASIS)
     # log-space weights are all negative: a max that starts from 0 would be wrong here
     np.testing.assert_array_equal(trie.weight_max(logs), brute_force(trie, logs, "max"))
 
@@ -67,20 +83,24 @@ def test_structure_and_maps(make):
         assert all(trie.node2prefix[m].startswith(trie.node2prefix[node]) for m in inside)
     ws = np.array([0.1, 0.2, 0.3, 0.15, 0.25])
     sums = trie.weight_sum(ws)
-    assert sums[trie.root] == pytest.approx(1.0)
-    assert sums[trie.node_of_prefix(b"ab")] == pytest.approx(0.4)
-    assert sums[trie.node_of_prefix(b"a")] == pytest.approx(0.6)
+    tol = sum_bound(trie, sums)
+    for prefix, members in ((b"", [0, 1, 2, 3, 4]), (b"ab", [0, 2]), (b"a", [0, 1, 2])):
+        node = trie.node_of_prefix(prefix)
+        want = math.fsum(ws[members])  # 1.0, 0.4, 0.6 up to the decimal literals' rounding
+        bounds.within(f"trie: {prefix!r} mass", abs(sums[node] - want), bounds.Bound(tol[node], SUM_BASIS))
 
 
 @pytest.mark.parametrize("make", ENGINES, ids=ENGINE_IDS)
 def test_tiny_subtree_next_to_large_mass_keeps_relative_precision(make):
     vocab = [b"a", b"b", b"bx", b"by", b"bz", b"c"]
     ws = np.array([1.0 - 3e-30, 1e-30, 7e-31, 2e-31, 1e-31, 1e-300])
-    sums = make(vocab).weight_sum(ws)
     trie = make(vocab)
-    expected_b = 1e-30 + 7e-31 + 2e-31 + 1e-31
-    assert abs(sums[trie.node_of_prefix(b"b")] - expected_b) / expected_b <= 1e-9
-    assert sums[trie.node_of_prefix(b"c")] == 1e-300
+    sums = trie.weight_sum(ws)
+    b = trie.node_of_prefix(b"b")
+    expected_b = math.fsum(ws[1:5])
+    # a tolerance relative to the node's own mass (about 2e-45 here), not to the root's 1.0
+    bounds.within("trie: tiny subtree", abs(sums[b] - expected_b), bounds.Bound(sum_bound(trie, sums)[b], SUM_BASIS))
+    assert sums[trie.node_of_prefix(b"c")] == 1e-300  # one token: no addition, exact
 
 
 @pytest.mark.parametrize("make", ENGINES, ids=ENGINE_IDS)
@@ -88,14 +108,15 @@ def test_inputs_numpy_torch_batched_and_lists(make):
     trie = make([b"a", b"b", b"ab"])
     w = np.array([0.2, 0.3, 0.5], np.float32)
     single = trie.weight_sum(w)
+    # exact: float32 widens to float64 exactly, and each row is summed in the same order alone or in a batch
     for ws in (torch.tensor(w), w.astype(np.float64), torch.tensor(w, dtype=torch.float64)):
-        np.testing.assert_allclose(trie.weight_sum(ws), single)
+        np.testing.assert_array_equal(trie.weight_sum(ws), single)
     batch = np.stack([w, w[::-1].copy()])
     for b in (batch, torch.tensor(batch), [batch[0], batch[1]], [torch.tensor(batch[0]), torch.tensor(batch[1])]):
         out = trie.batch_weight_sum(b)
         assert out.shape == (2, trie.num_nodes)
-        np.testing.assert_allclose(out[0], single)
-        np.testing.assert_allclose(out[1], trie.weight_sum(batch[1]))
+        np.testing.assert_array_equal(out[0], single)
+        np.testing.assert_array_equal(out[1], trie.weight_sum(batch[1]))
 
 
 @pytest.mark.parametrize("make", ENGINES, ids=ENGINE_IDS)
@@ -134,9 +155,20 @@ def test_engines_agree_on_real_vocabularies(real_vocab):
     logits = torch.randn(3, len(real_vocab), generator=gen, dtype=torch.float64) * 4
     probs, logs = torch.softmax(logits, -1), torch.log_softmax(logits, -1)
     sums, maxs = cpu.batch_weight_sum(probs), cpu.batch_weight_max(logs)
-    np.testing.assert_allclose(par.batch_weight_sum(probs), sums, rtol=1e-12, atol=1e-300)
-    np.testing.assert_array_equal(par.batch_weight_max(logs), maxs)
-    np.testing.assert_allclose(sums[:, cpu.root], 1.0, rtol=1e-6)
+    bounds.within_each(
+        "trie: torch vs numba engine, real vocabulary",
+        par.batch_weight_sum(probs),
+        sums,
+        sum_bound(cpu, sums, computations=2),
+        "two float64 trie sums in any order: 2 x tree_sum_error",
+    )
+    np.testing.assert_array_equal(par.batch_weight_max(logs), maxs)  # a max rounds nothing
+    tol = sum_bound(cpu, sums)
+    for row in range(3):
+        total = math.fsum(probs[row].tolist())  # 1 up to the float64 softmax's own rounding
+        bounds.within(
+            "trie: root = total mass", abs(sums[row, cpu.root] - total), bounds.Bound(tol[row, cpu.root], SUM_BASIS)
+        )
     # spot-check nodes against brute force over the whole vocabulary
     rng = np.random.default_rng(0)
     nodes = rng.choice(cpu.num_nodes, 40, replace=False)
@@ -145,8 +177,11 @@ def test_engines_agree_on_real_vocabularies(real_vocab):
     for n, prefix in starts.items():
         token = int(cpu.index.node_token[n])
         members = [token] if token >= 0 else [i for i, t in enumerate(real_vocab) if t.startswith(prefix)]
-        assert sums[0, n] == pytest.approx(p0[members].sum(), rel=1e-9)
-        assert maxs[0, n] == pytest.approx(l0[members].max(), rel=1e-12)
+        want = math.fsum(p0[members])
+        bounds.within(
+            "trie: node vs brute force, real vocabulary", abs(sums[0, n] - want), bounds.Bound(tol[0, n], SUM_BASIS)
+        )
+        assert maxs[0, n] == l0[members].max()  # a max rounds nothing
 
 
 def test_visualize():
@@ -176,9 +211,9 @@ async def test_async_trie_batches_and_matches(backend):
     ws = [rng.random(5) for _ in range(10)]
     sums = await asyncio.gather(*(trie.weight_sum(w) for w in ws))
     maxs = await asyncio.gather(*(trie.weight_max(np.log(w)) for w in ws))
-    for w, s, m in zip(ws, sums, maxs):
-        np.testing.assert_allclose(s, trie.trie.weight_sum(w), rtol=1e-12)
-        np.testing.assert_allclose(m, trie.trie.weight_max(np.log(w)), rtol=1e-12)
+    for w, s, m in zip(ws, sums, maxs):  # exact: the engine sums each row of a batch in the same order
+        np.testing.assert_array_equal(s, trie.trie.weight_sum(w))
+        np.testing.assert_array_equal(m, trie.trie.weight_max(np.log(w)))
     assert max(trie.batcher.stats.sizes) <= 4 and trie.batcher.stats.batches >= 5  # capped batches
     trie.cleanup()
 
@@ -201,7 +236,7 @@ async def test_async_trie_bad_input_fails_alone_and_batches_survive_errors(monke
     results = await asyncio.gather(trie.weight_sum(good), trie.weight_sum(good * 2), return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results)
     out = await trie.weight_sum(good)  # the next batch works
-    assert out[trie.trie.root] == pytest.approx(1.0)
+    assert out[trie.trie.root] == 1.0  # 0.5 + 0.5: exact
     trie.cleanup()
 
 
@@ -220,18 +255,20 @@ async def test_both_async_tries_keep_each_operation_on_one_vector_apart_in_one_b
     w = np.random.default_rng(2).random(5)
     char = AsyncTokenCharacterTrie.from_vocab(vocab, batch_size=8, timeout=0.005)
     sums, maxs = await asyncio.gather(char.weight_sum(w), char.weight_max(w))
-    np.testing.assert_allclose(sums, brute_force(char.trie, w, "sum"), rtol=1e-12)
-    np.testing.assert_allclose(maxs, brute_force(char.trie, w, "max"), rtol=1e-12)
+    want = brute_force(char.trie, w, "sum")
+    bounds.within_each("trie: async sum vs brute force", sums, want, sum_bound(char.trie, want), SUM_BASIS)
+    np.testing.assert_array_equal(maxs, brute_force(char.trie, w, "max"))
     assert (char.batcher.stats.batches, char.batcher.stats.items) == (1, 2)
     char.cleanup()
     byte = AsyncTokenByteTrie.from_vocab(vocab, eos_byte_strings=[b"b"], batch_size=8, timeout=0.005)
     without, with_eos, maxs = await asyncio.gather(
         byte.weight_sum(w), byte.weight_sum(w, TrieMode.WITH_EOS), byte.weight_max(w)
     )
-    np.testing.assert_allclose(without, byte.trie.weight_sum(w), rtol=1e-12)
-    np.testing.assert_allclose(with_eos, byte.trie.weight_sum(w, TrieMode.WITH_EOS), rtol=1e-12)
-    np.testing.assert_allclose(maxs, byte.trie.weight_max(w), rtol=1e-12)
-    assert with_eos[byte.trie.eos_node] == pytest.approx(w[2]) and without[byte.trie.eos_node] == 0
+    # exact: one batch or alone, the same sums in the same order
+    np.testing.assert_array_equal(without, byte.trie.weight_sum(w))
+    np.testing.assert_array_equal(with_eos, byte.trie.weight_sum(w, TrieMode.WITH_EOS))
+    np.testing.assert_array_equal(maxs, byte.trie.weight_max(w))
+    assert with_eos[byte.trie.eos_node] == w[2] and without[byte.trie.eos_node] == 0  # one token: exact
     assert (byte.batcher.stats.batches, byte.batcher.stats.items) == (1, 3)
     byte.cleanup()
 

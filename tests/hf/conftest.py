@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from genlm_core.testing import bounds
 from genlm_core.testing.models import tiny_model_dir
 
 
@@ -15,6 +16,7 @@ class Reference:
     def __init__(self, path):
         from transformers import AutoModelForCausalLM
 
+        self.path = str(path)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     def __call__(self, ids, vocab_size=None):
@@ -25,6 +27,13 @@ class Reference:
 
 def max_error(rows, contexts, reference):
     return max((row.double() - reference(c, len(row))).abs().max().item() for row, c in zip(rows, contexts))
+
+
+def check_rows(name, rows, contexts, reference):
+    """genlm-hf's rows (batched, padded, from cached KV) against the reference's unbatched float32 forward
+    pass: two float32 runs of one model, within 4 x its float32-vs-float64 error on ``contexts``
+    (bounds.rows_bound)."""
+    bounds.within(f"hf: {name}", max_error(rows, contexts, reference), bounds.rows_bound(reference.path)(contexts))
 
 
 # The fast tier runs genlm-hf on the tiny Llama; the same checks on GPT-2's architecture are in the full suite.

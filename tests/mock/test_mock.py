@@ -10,7 +10,7 @@ import torch
 
 from genlm_core import load_model_by_name
 from genlm_core.mock import MockAsyncLM, MockOptions
-from genlm_core.testing import check_lm_contract
+from genlm_core.testing import bounds, check_lm_contract
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +24,20 @@ def reference(lm: MockAsyncLM, context) -> torch.Tensor:
     """Independent float64 log-softmax of the mock's raw logits, cut to the tokenizer."""
     logits = torch.from_numpy(lm.logits(context)).double()[: lm.vocab_size]
     return torch.log_softmax(logits, 0)
+
+
+def check_row(lm: MockAsyncLM, row: torch.Tensor, context) -> None:
+    """``row`` (float32 log_softmax of the mock's float32 logits) against :func:`reference` (float64, the
+    same logits): each off the exact value by :func:`bounds.log_softmax_error` at the row's most negative
+    entry, in its own precision."""
+    want = reference(lm, context)
+    worst = float(want.min())
+    tol = bounds.Bound(
+        float(bounds.log_softmax_error(lm.vocab_size, worst))
+        + float(bounds.log_softmax_error(lm.vocab_size, worst, bounds.U64)),
+        f"float32 log_softmax over V={lm.vocab_size} at {worst:.3g}, against float64",
+    )
+    bounds.within("mock: row vs float64 log_softmax", bounds.row_difference(row, want), tol, f"context {context}")
 
 
 def test_loads_by_name_through_the_registry(gpt2):
@@ -41,7 +55,7 @@ async def test_concurrent_batch_matches_reference_and_is_observable(gpt2):
     contexts = [[50256, i] for i in range(10)] + [[50256, 3]]  # one duplicate
     rows = await asyncio.gather(*(lm.next_token_logprobs(c) for c in contexts))
     for c, row in zip(contexts, rows):
-        torch.testing.assert_close(row.double(), reference(lm, c), atol=1e-5, rtol=0)
+        check_row(lm, row, c)
     assert len(lm.batches) == 1 and len(lm.batches[0]) == 10  # one batch, duplicate computed once
 
 
@@ -61,7 +75,7 @@ async def test_vocab_padding_and_delay(gpt2):
     lm = MockAsyncLM(gpt2, vocab_padding=128, delay=0.01)
     row = await lm.next_token_logprobs([5])
     assert row.shape == (len(gpt2),)
-    torch.testing.assert_close(row.double(), reference(lm, [5]), atol=1e-5, rtol=0)
+    check_row(lm, row, [5])
 
 
 def test_options_are_validated():

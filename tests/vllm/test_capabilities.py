@@ -18,6 +18,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
+from genlm_core.testing import bounds
 from genlm_vllm import vllm_api
 from genlm_vllm.engine_args import CPU_BLOCK_SIZE
 
@@ -134,12 +135,17 @@ def test_forks_copy_blocks_where_no_cache_manager_is_bound_to_the_connector(alon
 
         rows = asyncio.run(step(children))
         assert stats.tokens_copied == 3 * (len(base_context) % CPU_BLOCK_SIZE), stats
-        worst = max((r - lm.next_token_logprobs_uncached(c)).abs().max().item() for c, r in zip(children, rows))
-        assert worst <= 1e-5, worst
+        worst = max(bounds.row_difference(r, lm.next_token_logprobs_uncached(c)) for c, r in zip(children, rows))
+        # copied blocks computed in other steps and batches: two float32 runs, 4 x the float32 error
+        bounds.within("vllm: forks without a cache manager vs uncached", worst, bounds.rows_bound(path)(children))
         lm.clear_cache()
         llm_engine = lm.driver.engine.llm_engine
         live = check_live_sequences(
-            lm, lm.driver.sessions.live, in_use=lambda: int(llm_engine.has_unfinished_requests()), steps=20
+            lm,
+            lm.driver.sessions.live,
+            in_use=lambda: int(llm_engine.has_unfinished_requests()),
+            steps=20,
+            atol=bounds.rows_bound(path),
         )
         assert live.tokens_copied > 0, live
     finally:
@@ -166,7 +172,7 @@ def as_in_vllm_0_26(original):
 @pytest.mark.slow
 @pytest.mark.layouts
 @pytest.mark.parametrize("fixed", [True, False], ids=["exact hashes", "as 0.26 left them"])
-def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(engine, monkeypatch, fixed):
+def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(engine, path, monkeypatch, fixed):
     """A session's chunk of 31 tokens samples a token s at position 31 (completing a block of 32), which
     genlm discards: the next chunk puts t there. vLLM 0.26 keeps the block's hash of the tokens with s, so
     the block (holding t's KV) is cached as if it held s, and a context with s at position 31 is served
@@ -195,10 +201,11 @@ def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
         lm.next_token_logprobs_sync([*context, other])  # the session goes on with another token there
         probe = [*context, sampled, 7]
         row = lm.next_token_logprobs_sync(probe)
-        gap = (row - lm.next_token_logprobs_uncached(probe)).abs().max().item()
+        gap = bounds.row_difference(row, lm.next_token_logprobs_uncached(probe))
     finally:
         lm.clear_cache()  # as 0.26 left them: the block cached under the wrong hash leaves with the prefix cache
+    tol = bounds.rows_bound(path)([probe])  # the probe's blocks computed in other steps: 4 x the float32 error
     if fixed:
-        assert gap <= 1e-5, gap
+        bounds.within("vllm: resumed session vs uncached", gap, tol)
     else:
-        assert gap > 1e-3, f"0.26's stale hash did not show ({gap}): this check would not catch it"
+        assert gap > 2 * tol, f"0.26's stale hash did not show ({gap}, tolerance {tol}): this check would not catch it"

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from genlm_core.kv_reuse import KVReuseOptions
+from genlm_core.config import KVReuseOptions  # import-light: registering the plugin imports no torch
 
 
 class HFOptions(KVReuseOptions):

@@ -6,8 +6,7 @@ from typing import Literal, Self
 
 from pydantic import Field, PositiveInt, model_validator
 
-from genlm_core.config import BackendOptions
-from genlm_core.live import LiveOptions
+from genlm_core.config import BackendOptions, LiveOptions  # import-light: registering the plugin imports no torch
 
 #: llama.cpp's most sequences per context (``LLAMA_MAX_SEQ``).
 MAX_SEQUENCES = 256

@@ -7,12 +7,17 @@ INSTALL = "pip install genlm-mlx (Apple silicon) or 'genlm-mlx[cpu]' (Linux)"
 
 
 def unavailable_reason() -> str | None:
-    """Why MLX cannot run here, or None."""
-    try:
-        import mlx.core  # noqa: F401
-        import mlx_lm  # noqa: F401
-    except ImportError as exc:
-        return f"{exc.name or 'mlx'} is not installed: {INSTALL}"
+    """Why MLX cannot run here (its modules are not installed), or None; found without importing MLX, as
+    every ``genlm backends`` runs it (``genlm backends --check`` imports the backend, and MLX with it)."""
+    import importlib.util
+
+    for module in ("mlx.core", "mlx_lm"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # mlx.core's package is missing, or is not a package
+            found = False
+        if not found:
+            return f"{module} is not installed: {INSTALL}"
     return None
 
 

@@ -6,8 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, model_validator
 
-from genlm_core.config import BackendOptions
-from genlm_core.live import LiveOptions
+from genlm_core.config import BackendOptions, LiveOptions  # import-light: registering the plugin imports no torch
 from genlm_vllm.layout import layout
 
 #: Batches in a row a parked session may go unclaimed before it is aborted, by default (a step's

@@ -15,6 +15,7 @@ imports neither vLLM nor anything that does, and does nothing at import.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,20 +79,28 @@ def context_fingerprint(token_ids: Sequence[int]) -> list[int]:
 # ---- the shared-memory slot file ------------------------------------------------------------------
 
 WRITING = -1  #: a slot's flag while its row is being written
+#: A slot file's mode: its owner's alone (rows are what a program computes), as Python's and vLLM's own
+#: shared memory (``multiprocessing``'s semaphores and ``SharedMemory``) are made.
+FILE_MODE = 0o600
 
 
 class Segment:
     """A caller-owned shared-memory file of ``n`` slots: ``n`` int64 flags, then ``n`` float32 rows.
 
-    The caller creates it (``create=True``) and reads rows; the engine's writing rank opens it by
-    path and writes them (:meth:`write`)."""
+    The caller creates it (``create=True``: a new file, readable and writable by its owner only,
+    :data:`FILE_MODE`, whatever the umask) and reads rows; the engine's writing rank, a process of the
+    same user, opens it by path and writes them (:meth:`write`)."""
 
     def __init__(self, path: str, n: int, width: int, create: bool = False):
         self.path, self.n, self.width = path, n, width
         size = n * 8 + n * width * 4
         if create:
-            with open(path, "xb") as f:
-                f.truncate(size)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+            try:
+                os.fchmod(fd, FILE_MODE)  # a umask can only narrow the mode; one that took the owner's write away
+                os.ftruncate(fd, size)  # would leave a file this process cannot map
+            finally:
+                os.close(fd)
         raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         self.flags = raw[: n * 8].view(torch.int64)
         self.data = raw[n * 8 :].view(torch.float32).view(n, width)
