@@ -47,8 +47,9 @@ def _sibling(name: str) -> Any:
 
 
 speed_reference = _sibling("speed_reference")
-#: The reference workload's seconds on the machine where ``fast_tier_budget`` was set (a quiet 2-core machine of
-#: the project's kind; ``python tests/speed_reference.py`` there: the median repetition, the smallest of several runs).
+#: The reference workload's seconds on the machine where ``fast_tier_budget`` is judged against (2 cores, the
+#: project's kind): one reading, the one a fast-tier run printed at its start on 2026-12-02 (``python
+#: tests/speed_reference.py`` prints it); to be read again on a quiet machine beside a timed fast tier.
 REFERENCE_WORKLOAD = "python=0.048 torch=0.084"
 
 

@@ -413,7 +413,8 @@ def test_cpu_lora_kernel_gives_no_adapter_tokens_no_delta():
     assert torch.equal(out[0], torch.zeros(4)) and torch.equal(out[2], torch.zeros(4))
     want = 0.5 * weights[0, 0] @ x[1]
     # two float32 dot products of 8 terms (and a scaling), any order: twice a worst-case sum of 9 terms
-    tol = 2 * bounds.sum_error(9, 0.5 * (weights[0, 0].abs() @ x[1].abs()).max().item(), probabilistic=False)
+    one = bounds.sum_error(9, 0.5 * (weights[0, 0].abs() @ x[1].abs()).max().item(), probabilistic=False)
+    tol = bounds.Bound(2 * one, f"2 x {one.basis}")
     bounds.within("vllm: bgmv_shrink vs matmul", (out[1] - want).abs().max().item(), tol)
 
 
