@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import re
 import sys
+import sysconfig
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +59,13 @@ class Installed:
 
 @pytest.fixture(scope="module")
 def installed() -> dict[str, Installed]:
-    """This virtualenv's distributions by normalised name (read once: about a second for 290 of them)."""
+    """This virtualenv's distributions by normalised name (read once: about a second for 290 of them): what pip
+    installed into its site-packages, not every folder on ``sys.path`` (setuptools puts its vendored copies of
+    ``packaging`` and ``typing_extensions``, with their own metadata, there while the tests run)."""
+    site_packages = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     return {
         vllm_cpu.normalise(d.metadata["Name"]): Installed(d.version, list(d.requires or []))
-        for d in importlib.metadata.distributions()
+        for d in importlib.metadata.distributions(path=site_packages)
     }
 
 
