@@ -85,7 +85,7 @@ def user_env(home: Path) -> dict[str, str]:
 
 def check_readme_runs(python: Path, home: Path, backends: set[str]) -> None:
     env = user_env(home)
-    listing = checked(python.parent / "genlm", "backends", env=env, cwd=home)
+    listing = checked(python.parent / "genlm", "backends", "--check", env=env, cwd=home)
     rows = {line.split()[0]: line for line in listing.splitlines()[2:] if line.strip() and "kind" not in line}
     assert backends <= {name for name, row in rows.items() if " yes " in row}, listing
     assert "failed to load" not in listing, listing

@@ -328,7 +328,7 @@ def test_the_command_line_lists_loads_and_explains(capsys, monkeypatch, tiny_gpt
     from genlm_core.cli import main
     from genlm_llamacpp import plugin
 
-    assert main(["backends"]) == 0
+    assert main(["backends", "--check"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("llamacpp "))
     assert "genlm-llamacpp" in line and " yes " in line
     assert main(["options", "llamacpp"]) == 0

@@ -362,12 +362,9 @@ def test_engine_files_removes_only_orphans_created_during_start(tmp_path, monkey
     monkeypatch.setattr("genlm_vllm.shm_files.SHM_DIR", str(tmp_path))
     (tmp_path / "before").write_bytes(b"x")
     files = EngineFiles()
-    (tmp_path / "genlm-vllm-ours").write_bytes(b"x")
-    # made during the start and used by the engine's processes (this one is): the engine's
-    fds = [os.open(tmp_path / name, os.O_RDWR | os.O_CREAT, 0o600) for name in ("psm_orphan", "psm_held")]
+    for name in ("psm_orphan", "psm_held", "genlm-vllm-ours"):
+        (tmp_path / name).write_bytes(b"x")
     files.started()
-    for fd in fds:
-        os.close(fd)
     holder = subprocess.Popen(
         [
             sys.executable,

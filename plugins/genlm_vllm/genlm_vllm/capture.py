@@ -269,16 +269,6 @@ class RowsExtension:
         """How many rows wait to be fetched on the writing rank (None elsewhere); for tests."""
         return mailbox.waiting() if is_row_writer() else None
 
-    def genlm_process(self) -> tuple[str, int]:
-        """This worker's :func:`~genlm_vllm.shm_files.shm_namespace` and process id: the caller attributes
-        the ``/dev/shm`` files of a worker that shares its ``/dev/shm`` to its engine
-        (:class:`~genlm_vllm.shm_files.EngineFiles`)."""
-        import os
-
-        from genlm_vllm.shm_files import shm_namespace
-
-        return shm_namespace(), os.getpid()
-
     def genlm_where(self) -> dict[str, Any]:
         """This worker's process, host, node address and ranks, and how its tensor- and
         pipeline-parallel groups talk (on CPU: "shm" for vLLM's shared-memory collectives, else

@@ -4,8 +4,8 @@ The steps every driver that runs an engine here (:class:`~genlm_vllm.llm_driver.
 :class:`~genlm_vllm.async_driver.AsyncLLMDriver`) shares, in order: refuse a script that spawned
 processes would re-run (:mod:`genlm_vllm.main_guard`), pick the model runner and the engine arguments
 (:mod:`genlm_vllm.engine_args`), start the engine in its environment (:mod:`genlm_vllm.environment`),
-note the shared-memory files its processes made (asking Ray's workers which processes they are), and
-check what it started with (:func:`check_started`); a driver that fails the check is closed.
+note the shared-memory files its processes made, and check what it started with
+(:func:`check_started`); a driver that fails the check is closed.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from genlm_vllm.environment import engine_start
 from genlm_vllm.layout import Layout
 from genlm_vllm.main_guard import check_main_guard
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.shm_files import EngineFiles, shm_namespace
+from genlm_vllm.shm_files import EngineFiles
 from genlm_vllm.vllm_api import engine_config, engine_facts, resolve_runner
 
 log = logging.getLogger("genlm_vllm")
@@ -47,7 +47,7 @@ def launch(
         engine = start_engine(kwargs)
     driver = make_driver(engine)
     if files is not None:
-        files.started(ray_workers_here(driver, options) if lay.ray else ())
+        files.started()
         driver.files = files
     try:
         check_started(driver, engine_config(engine), runner, options.sessions_in(lay))
@@ -55,23 +55,6 @@ def launch(
         driver.close()
         raise
     return driver
-
-
-def ray_workers_here(driver: EngineDriver, options: VLLMOptions) -> list[int]:
-    """The process ids of the engine's Ray workers that share this process's ``/dev/shm`` (Ray's daemons
-    start them: they are not this process's descendants), as the workers tell (``genlm_process``); none
-    where they cannot (a worker extension of the caller's own replaces ours)."""
-    if options.engine_opts.get("worker_extension_cls") is not None:
-        return []
-    try:
-        replies = driver.call_workers("genlm_process")
-    except Exception as exc:  # the engine works without: its workers' files are only not removed after a crash
-        log.warning(
-            "genlm-vllm: the engine's workers did not say which processes they are: %s: %s", type(exc).__name__, exc
-        )
-        return []
-    here = shm_namespace()
-    return [int(reply[1]) for reply in replies if isinstance(reply, (list, tuple)) and reply[0] == here]
 
 
 def check_started(driver: EngineDriver, config: Any, runner: str, sessions: bool) -> None:
