@@ -24,10 +24,10 @@ from genlm_core.plugins import reset_plugins
 from genlm_core.testing.tokenizers import load_tokenizer, toy_tokenizer
 
 REAL_TOKENIZERS = ["gpt2", "mistral-v1", "mistral-v3", "tekken"]
-#: Folders whose tests run on one worker, one after another, and first. vLLM's tests start engines whose
-#: processes and /dev/shm files they count (a second worker's engine starting at the same moment would be
-#: counted, and ``EngineFiles`` would take its files for the starting engine's), a Ray cluster on fixed
-#: loopback addresses, and a session engine per process; they are also the run's longest chain.
+#: Folders whose tests run on one worker, one after another, and first. vLLM's tests start engines and then
+#: count every process and /dev/shm file left since (``left_since``: a second worker's engine running at the same
+#: moment would be counted; the engines themselves keep apart, see ``tests/vllm/test_shm_files.py``), a Ray
+#: cluster on fixed loopback addresses, and a session engine per process; they are also the run's longest chain.
 SERIAL_FIRST = {"tests/vllm/": "vllm"}
 #: The next longest work units, handed out next in this order (seconds of their worker in a whole run, 2 cores):
 #: the client suites 240-319 (their worker waits on processes of their own), the GPU check's dry runs 130-162,

@@ -434,7 +434,7 @@ def test_killed_worker_fails_requests_and_cleanup_leaves_nothing(lm, request):
     worker = next(p for p in engine_processes if "Worker" in p.name())
     lm.clear_cache()
     lm.next_token_logprobs_sync([1, 2, 3])
-    assert lm.driver.files is not None and lm.driver.files.created  # vLLM made queues at start
+    assert lm.driver.files is not None and lm.driver.files.files()  # vLLM made queues at start, with the tag
     made = shm_names() - before
     assert any(n.startswith(f"genlm-vllm-{os.getpid()}-") for n in made)
 

@@ -26,7 +26,7 @@ from genlm_vllm.environment import engine_env, threads_bind
 from genlm_vllm.layout import layout
 from genlm_vllm.mailbox import ROWS
 from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows
-from genlm_vllm.shm_files import EngineFiles, left_since, leftover_files
+from genlm_vllm.shm_files import ENGINE_MARK, EngineFiles, leftover_files
 from genlm_vllm.wire import SLOT, TAG, WRITING, Segment
 
 WIDTH = 10
@@ -358,30 +358,74 @@ def test_a_script_without_a_main_guard_gets_the_fix_named(tmp_path, body, fails)
         assert out.returncode == 0 and out.stdout.strip() == "started", out.stderr
 
 
-def test_engine_files_removes_only_orphans_created_during_start(tmp_path, monkeypatch):
+def test_engine_files_removes_only_its_own_unused_files(tmp_path, monkeypatch):
+    """What an engine's close removes: the files whose names carry its tag and that no other process uses;
+    not another engine's (started at the same moment or not), not one without a tag, not one still in use."""
     monkeypatch.setattr("genlm_vllm.shm_files.SHM_DIR", str(tmp_path))
-    (tmp_path / "before").write_bytes(b"x")
-    files = EngineFiles()
-    for name in ("psm_orphan", "psm_held", "genlm-vllm-ours"):
+    files, other = EngineFiles(), EngineFiles()
+    mine = f"{ENGINE_MARK}{files.tag}-"
+    names = {
+        "orphan": f"sem.mp-{mine}1",
+        "held": f"psm_{mine}0a1b2c3d",
+        "other": f"sem.mp-{ENGINE_MARK}{other.tag}-1",
+        "untagged": "psm_0a1b2c3d",
+    }
+    for name in names.values():
         (tmp_path / name).write_bytes(b"x")
-    files.started()
+    held = str(tmp_path / names["held"])
     holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            f"import sys, time; f = open({str(tmp_path / 'psm_held')!r}); print(1, flush=True); time.sleep(60)",
-        ],
+        [sys.executable, "-c", f"import sys, time; f = open({held!r}); print(1, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE,
     )
     try:
         holder.stdout.readline()  # it holds the file open now
-        # what a leak check counts: made since, and used by no live process
-        assert left_since({"before"}) == {str(tmp_path / "psm_orphan"), str(tmp_path / "genlm-vllm-ours")}
-        assert files.remove_orphans() == [str(tmp_path / "psm_orphan")]
+        assert files.files() == {str(tmp_path / names["orphan"]), held}
+        assert files.remove_orphans() == [str(tmp_path / names["orphan"])]
     finally:
         holder.kill()
         holder.wait()
-    assert sorted(os.listdir(tmp_path)) == ["before", "genlm-vllm-ours", "psm_held"]
+    assert sorted(os.listdir(tmp_path)) == sorted([names["held"], names["other"], names["untagged"]])
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_processes_started_while_an_engine_starts_name_their_files_with_its_tag(method, monkeypatch):
+    """Inside :meth:`EngineFiles.marking`, this process and the processes multiprocessing starts from it, and
+    theirs, name their semaphores and shared-memory segments with the engine's tag; after it, this process's
+    names are as before."""
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))  # a spawned child has this process's sys.path
+    import shm_child  # a child imports it, not this module (and vLLM)
+
+    context = mp.get_context(method)
+    queue = context.Queue()  # made before the marking: not the engine's
+    files = EngineFiles()
+    with files.marking():
+        here = [shared_memory.SharedMemory(create=True, size=16)]
+        lock = context.Lock()
+        child = context.Process(target=shm_child.names_made_here, args=(queue, os.getpid()))
+        child.start()
+    try:
+        child.join(120)
+        assert child.exitcode == 0
+        made = [queue.get(timeout=10) for _ in range(2)]  # the child's and its child's
+        assert len({pid for pid, _, _ in made}) == 2
+        tag = f"{ENGINE_MARK}{files.tag}-"
+        for _, sem, segment in made:
+            assert sem.startswith(f"/mp-{tag}") and segment.startswith(f"psm_{tag}")  # a segment's name has no "/"
+        assert here[0].name.startswith(f"psm_{tag}") and lock._semlock.name.startswith(f"/mp-{tag}")
+        after = shared_memory.SharedMemory(create=True, size=16)
+        assert tag not in after.name and tag not in context.Lock()._semlock.name
+        after.close()
+        after.unlink()
+    finally:
+        here[0].close()
+        here[0].unlink()
+    assert files.files() == {f"/dev/shm/sem{lock._semlock.name.replace('/', '.')}"}  # the children's are gone
+    del lock
+    gc.collect()
+    assert files.files() == set()
 
 
 def test_files_of_a_killed_process_are_removed_by_the_next_one(tmp_path):

@@ -4,12 +4,13 @@ The steps every driver that runs an engine here (:class:`~genlm_vllm.llm_driver.
 :class:`~genlm_vllm.async_driver.AsyncLLMDriver`) shares, in order: refuse a script that spawned
 processes would re-run (:mod:`genlm_vllm.main_guard`), pick the model runner and the engine arguments
 (:mod:`genlm_vllm.engine_args`), start the engine in its environment (:mod:`genlm_vllm.environment`),
-note the shared-memory files its processes made, and check what it started with
+mark the shared-memory files its processes make with the engine's tag, and check what it started with
 (:func:`check_started`); a driver that fails the check is closed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from genlm_vllm.environment import engine_start
 from genlm_vllm.layout import Layout
 from genlm_vllm.main_guard import check_main_guard
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.shm_files import EngineFiles
+from genlm_vllm.shm_files import EngineFiles, remove_files_of_dead_engines
 from genlm_vllm.vllm_api import engine_config, engine_facts, resolve_runner
 
 log = logging.getLogger("genlm_vllm")
@@ -43,12 +44,13 @@ def launch(
     kwargs = engine_kwargs(model, options, lay, runner)
     log.info("starting vLLM engine for %s (%s; model runner %s)", model, lay.describe(), runner.upper())
     files = EngineFiles() if lay.spawns else None
-    with engine_start(lay, runner, options.start_method):
+    if files is not None:
+        remove_files_of_dead_engines()
+    marking = files.marking(ray=lay.ray) if files is not None else contextlib.nullcontext()
+    with marking, engine_start(lay, runner, options.start_method):
         engine = start_engine(kwargs)
     driver = make_driver(engine)
-    if files is not None:
-        files.started()
-        driver.files = files
+    driver.files = files
     try:
         check_started(driver, engine_config(engine), runner, options.sessions_in(lay))
     except BaseException:
