@@ -288,6 +288,27 @@ def pytest_configure(config: pytest.Config) -> None:
     # Registered as a plugin object, not left as conftest hooks: a conftest's test hooks see only the tests
     # under its folder, and the fast tier also runs genlm_core's doctests.
     config.pluginmanager.register(TimeBudget(config), TimeBudget.NAME)
+    if cap := os.environ.get(BATCH_CAP_ENV):
+        cap_batches(int(cap))
+
+
+#: Set (with ``GENLM_RECORD_BOUNDS``) for a run that records the tolerance checks' margins under another batch
+#: split: every autobatcher of this run's processes computes at most that many requests at once. Tests that count
+#: batches then fail; the rows' checks must not.
+BATCH_CAP_ENV = "GENLM_BOUNDS_BATCH"
+
+
+def cap_batches(cap: int) -> None:
+    """Every ``AutoBatcher`` made from now on in this process takes at most ``cap`` requests per batch."""
+    from genlm_core.batching import AutoBatcher
+
+    init = AutoBatcher.__init__
+
+    def capped(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.batch_size = min(self.batch_size, cap)
+
+    AutoBatcher.__init__ = capped  # type: ignore[method-assign]
 
 
 class TimeBudget:
