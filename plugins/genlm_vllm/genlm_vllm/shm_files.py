@@ -152,6 +152,11 @@ def _marked(tag: str) -> FileTag:
     return FileTag(tag)
 
 
+def _unmarked(name: str) -> bool:
+    """Whether a file's name carries neither an engine's tag nor our row slots' prefix."""
+    return ENGINE_MARK not in name and not name.startswith(FILE_PREFIX)
+
+
 def engine_files(tag: str, directory: str | None = None) -> set[str]:
     """Paths of the files in ``directory`` (``/dev/shm``) whose names carry the engine tag ``tag``."""
     directory = directory or SHM_DIR
@@ -188,27 +193,18 @@ class EngineFiles:
         that appeared while the engine started, have no engine's tag and are not row slots; another engine
         on the same machine could lose such a file to this one's close only where it appeared in that window
         and nobody used it at the close."""
-        names_before = names() if ray else set()
         with _marking:
             config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
             saved = config.get("semprefix"), config.get(CONFIG_KEY), shared_memory._make_filename  # type: ignore[attr-defined]
-            before = descendants()
+            before, names_before = descendants(), names() if ray else set()
             mark_this_process(self.tag)
             config[CONFIG_KEY] = FileTag(self.tag)
             try:
                 yield
-                now = descendants()
-                self.processes = {pid: at for pid, at in now.items() if before.get(pid) != at}
-                started = list(self.processes)
-                self.untagged = {
-                    path
-                    for path in files_used_by(started)
-                    if f"{ENGINE_MARK}{self.tag}-" not in path and not os.path.basename(path).startswith(FILE_PREFIX)
-                }
-                if ray:
-                    appeared = names() - names_before
-                    unmarked = {n for n in appeared if ENGINE_MARK not in n and not n.startswith("genlm-")}
-                    self.untagged |= {os.path.join(SHM_DIR, n) for n in unmarked}
+                self.processes = {pid: at for pid, at in descendants().items() if before.get(pid) != at}
+                used = {os.path.relpath(path, SHM_DIR) for path in files_used_by(list(self.processes))}
+                appeared = names() - names_before if ray else set()
+                self.untagged = {os.path.join(SHM_DIR, n) for n in used | appeared if _unmarked(n)}
             finally:
                 config["semprefix"] = saved[0]
                 if saved[1] is None:
@@ -275,20 +271,25 @@ def leftover_files(pid: int | None = None, directory: str = SHM_DIR) -> list[str
         return []
 
 
+def _gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists (one that is someone else's exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        pass
+    return False
+
+
 def remove_files_of_dead_processes(directory: str = SHM_DIR) -> list[str]:
     """Remove our files whose creating process is gone (killed before it could clean up)."""
     removed = []
     for path in leftover_files(directory=directory):
         pid = os.path.basename(path)[len(FILE_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and _gone(int(pid)):
             remove_files([path])
             removed.append(path)
-        except PermissionError:  # alive, someone else's
-            pass
     if removed:
         log.info("genlm-vllm: removed %d shared-memory files of processes that are gone", len(removed))
     return removed
@@ -300,14 +301,8 @@ def remove_files_of_dead_engines(directory: str = SHM_DIR) -> list[str]:
     gone: set[str] = set()
     for name in names(directory):
         found = re.search(rf"{ENGINE_MARK}(\d+)x[0-9a-f]+-", name)
-        if found is None:
-            continue
-        try:
-            os.kill(int(found.group(1)), 0)
-        except ProcessLookupError:
+        if found is not None and _gone(int(found.group(1))):
             gone.add(os.path.join(directory, name))
-        except PermissionError:  # alive, someone else's
-            pass
     removed = sorted(gone - in_use(gone)) if gone else []
     remove_files(removed)
     if removed:
