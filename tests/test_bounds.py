@@ -136,12 +136,31 @@ def batched_rows(model, contexts):
     return torch.log_softmax(logits, -1)
 
 
+def check_float32_error_is_the_largest_over_every_prefix_row_and_the_models_probe(path):
+    """A context's error is the largest over its own rows at every position and the model's fixed probe's
+    rows, recomputed here by hand from the same unbatched passes (so equal to the bit)."""
+    ctx = list(range(700, 760))
+    whole = bounds.float32_error(path, [ctx])
+    m32, m64 = bounds._models[path]  # the float32 and float64 copies float32_error loaded
+
+    def largest(c):
+        with torch.no_grad():
+            ids = torch.tensor([list(c)])
+            a = torch.log_softmax(m32(ids).logits[0], -1).double()
+            b = torch.log_softmax(m64(ids).logits[0], -1)
+        return (a - b).abs().max(-1).values  # per position
+
+    probe = max(float(largest(c).max()) for c in bounds._probe(path))
+    own = largest(ctx)
+    assert len(bounds._probe(path)) == bounds.PROBE_CONTEXTS and probe > 0
+    assert whole == max(probe, float(own.max()))
+    assert bounds.float32_error(path, [[1]]) >= probe  # a one-token context is measured with the probe
+
+
 def test_two_float32_runs_of_a_model_are_within_four_times_its_float64_measured_error():
     """model_difference on the tiny Llama: an unbatched and a padded batched float32 run (and one with a
-    thread) differ by at most 4 x the float32 run's error against float64; a row moved by ten times that
-    fails."""
-    from transformers import AutoModelForCausalLM
-
+    thread) differ by at most 4 x the float32 run's error against float64, measured over every prefix's
+    row and the model's probe; a row moved by ten times that fails."""
     path = str(tiny_model_dir("llama"))
     g = torch.Generator().manual_seed(3)
     contexts = [
@@ -149,7 +168,7 @@ def test_two_float32_runs_of_a_model_are_within_four_times_its_float64_measured_
     ]
     tol = bounds.rows_bound(path)(contexts)
     assert 0 < tol < 1e-3 and "4 x the error against float64" in tol.basis
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = bounds._models[path][0]  # the float32 copy float32_error loaded
     with torch.no_grad():
         alone = [torch.log_softmax(model(torch.tensor([c])).logits[0, -1], -1) for c in contexts]
     batched = batched_rows(model, contexts)
@@ -162,6 +181,7 @@ def test_two_float32_runs_of_a_model_are_within_four_times_its_float64_measured_
     for name, rows in (("padded batch", batched), ("one thread", one_thread)):
         diff = max(bounds.row_difference(a, b) for a, b in zip(alone, rows, strict=True))
         bounds.within(f"bounds: tiny llama {name} vs alone", diff, tol)
+    check_float32_error_is_the_largest_over_every_prefix_row_and_the_models_probe(path)
     moved = batched.clone()
     moved[0, 11] += 10 * float(tol)
     with pytest.raises(AssertionError, match="planted"):

@@ -196,8 +196,10 @@ def model_difference(measured: float, factor: float = MODEL_FACTOR, what: str = 
     exact here to ``~1e-13``). ``|a - b| <= |a - r| + |b - r|`` (the factor 2). Each float32 computation's
     error is a sum of many roundings, each ``<= u`` relative, spread through the same products, norms and
     softmaxes; another accumulation order or kernel draws other roundings of the same size, so its largest
-    error over the same entries is of the same size as the measured one. The second factor 2 allows the other
-    computation's largest error to be up to twice the measured one's (a kernel with a longer recursive
+    error over the same entries is of the same size as the measured one, which is the largest over every
+    prefix's row of the contexts and a fixed probe of the model (:func:`float32_error`: many draws, not one
+    row's). The second factor 2 allows the other computation's largest error to be up to twice the
+    measured one's (a kernel with a longer recursive
     accumulation, a less accurate ``exp``, and the maximum's fluctuation between draws). So
     ``|a - b| <= MODEL_FACTOR * measured`` with ``MODEL_FACTOR = 4``. It scales with the model, the weights
     and the contexts (it is measured on them), not with the machine: float32 arithmetic is the same on every
@@ -226,20 +228,47 @@ def lower_precision(measured: float, u: float, factor: float = 2.0) -> Bound:
 
 
 _row_errors: dict[tuple[str, tuple[int, ...], float | None], float] = {}
+#: How many contexts, of how many tokens, :func:`float32_error`'s fixed probe of a model has.
+PROBE_CONTEXTS, PROBE_LENGTH = 4, 64
+_probes: dict[str, list[tuple[int, ...]]] = {}
+
+
+def _probe(folder: str) -> list[tuple[int, ...]]:
+    """The model's fixed probe contexts: token ids drawn uniformly from its vocabulary, seed 0."""
+    if folder not in _probes:
+        import numpy as np
+
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+        draw = np.random.default_rng(0).integers(0, vocab, size=(PROBE_CONTEXTS, PROBE_LENGTH))
+        _probes[folder] = [tuple(int(t) for t in row) for row in draw]
+    return _probes[folder]
+
+
 _models: dict[str, tuple[Any, Any]] = {}  # the last model folder's float32 and float64 copies
 
 
 def float32_error(model_dir: str, contexts: Sequence[Sequence[int]], min_logprob: float | None = None) -> float:
-    """The largest ``|float32 - float64|`` log-probability, over ``contexts``' next-token rows, of the
-    transformers model in ``model_dir`` run unbatched in float32 against the same weights in float64: the
-    float32 forward pass's own rounding error, the input of :func:`model_difference`. With ``min_logprob``,
-    only entries whose float64 log-probability is at least that count.
+    """The largest ``|float32 - float64|`` log-probability of the transformers model in ``model_dir`` run
+    unbatched in float32 against the same weights in float64, over the next-token rows of ``contexts`` and
+    of every prefix of them: the float32 forward pass's own rounding error, the input of
+    :func:`model_difference`. With ``min_logprob``, only entries whose float64 log-probability is at least
+    that count.
 
-    A context that is a prefix of a longer one shares its forward pass (a causal model's state at a
-    position depends on the tokens up to it alone), and the output layer runs on the rows asked for
-    only. Each context's error is cached, and the model's two copies are kept for the next call."""
+    Why every prefix's row. One row's largest error is one draw of roundings; another computation of that
+    row (another kernel, batch split or KV-cache shape) draws other roundings of the same size, whose
+    largest can exceed this one draw's (on the tiny Llama, one 310-token context's last rows err by 4e-6
+    to 6.5e-6, its rows over all positions by up to 1.2e-5). The largest over every position of the same
+    contexts is a maximum over many draws of the same model, weights and tokens, so it stands for the
+    model's rounding error on them rather than for one lucky or unlucky row; a causal model computes those
+    rows in the same passes anyway. For the same reason the maximum also runs over a fixed probe of the
+    model (:data:`PROBE_CONTEXTS` contexts of :data:`PROBE_LENGTH` tokens drawn from its vocabulary with a
+    fixed seed): a short context has one or a few rows, too small a sample to stand for the model's error
+    level, which :func:`model_difference` assumes the measurement does. Each context's rows are cached,
+    and the model's two copies are kept for the next call."""
     folder = str(model_dir)
-    asked = {tuple(int(t) for t in c) for c in contexts if len(c)}
+    asked = {tuple(int(t) for t in c) for c in contexts if len(c)} | set(_probe(folder))
     todo = sorted(c for c in asked if (folder, c, min_logprob) not in _row_errors)
     if todo:
         import torch
@@ -252,23 +281,19 @@ def float32_error(model_dir: str, contexts: Sequence[Sequence[int]], min_logprob
             exact = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
             _models[folder] = (model, exact)
         model, exact = _models[folder]
-        run: list[tuple[int, ...]] = []
         for i, context in enumerate(todo):
-            run.append(context)
             if i + 1 < len(todo) and todo[i + 1][: len(context)] == context:
-                continue  # a prefix of the next one: that pass gives this row too
-            keep = torch.tensor([len(c) - 1 for c in run])
+                continue  # a prefix of the next one: that pass gives its rows too
             with torch.no_grad():
                 ids = torch.tensor([list(context)])
-                rows32 = torch.log_softmax(model(ids, logits_to_keep=keep).logits[0], -1).double()
-                rows64 = torch.log_softmax(exact(ids, logits_to_keep=keep).logits[0], -1)
-            for c, a, b in zip(run, rows32, rows64, strict=True):
+                rows32 = torch.log_softmax(model(ids).logits[0], -1).double()
+                rows64 = torch.log_softmax(exact(ids).logits[0], -1)
+            for k, (a, b) in enumerate(zip(rows32, rows64, strict=True)):
                 diff = (a - b).abs()
                 if min_logprob is not None:
                     diff = diff[b >= min_logprob]
-                _row_errors[(folder, c, min_logprob)] = diff.max().item() if diff.numel() else 0.0
-            run = []
-    return max((_row_errors[(folder, c, min_logprob)] for c in asked), default=0.0)
+                _row_errors[(folder, context[: k + 1], min_logprob)] = diff.max().item() if diff.numel() else 0.0
+    return max((_row_errors[(folder, c[:k], min_logprob)] for c in asked for k in range(1, len(c) + 1)), default=0.0)
 
 
 #: What a kit check takes as its tolerance: a number, a function of the compared contexts (such as
@@ -364,6 +389,8 @@ __all__ = [
     "FN_ULPS_U",
     "LAMBDA",
     "MODEL_FACTOR",
+    "PROBE_CONTEXTS",
+    "PROBE_LENGTH",
     "RECORD_ENV",
     "U16",
     "U32",

@@ -75,8 +75,8 @@ junit.with_suffix(".child").write_text(str(child.pid))
 if mode == "deaf":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 print("tests/test_x.py::test_hangs ", flush=True)
-junit.with_suffix(".ready").touch()
-try:
+try:  # ready inside the try: the interrupt, sent once it is ready, cannot land before the handler
+    junit.with_suffix(".ready").touch()
     time.sleep(600)
 except KeyboardInterrupt:
     print("tests/test_x.py:7: KeyboardInterrupt", flush=True)

@@ -20,6 +20,7 @@ from genlm_core.testing import bounds  # noqa: E402
 from genlm_core.testing.models import tiny_model_dir  # noqa: E402
 
 from .programs import control_program, llamppl_program  # noqa: E402
+from .replay import Recorder, replay  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -163,32 +164,67 @@ async def test_tries_match_genlm_backends_structure_and_values(ours, backend):
     await seed.cleanup()
 
 
+def check_rows_are_genlm_backends(name, rows, seed_lm, model_dir):
+    """Every row genlm served equals genlm-backend's uncached row of its context within two float32 passes'
+    bound (bounds.rows_bound: 4 x the tiny model's float32-vs-float64 error on those contexts)."""
+    assert rows
+    tol = bounds.rows_bound(model_dir)(list(rows))
+    diff = max(bounds.row_difference(row, seed_lm.next_token_logprobs_uncached(list(c))) for c, row in rows.items())
+    bounds.within(f"compat: {name} rows vs genlm-backend's", diff, tol)
+
+
+def assert_same_outputs(got, want, path="outputs"):
+    """Equal to the bit: strings, tuples and numbers with ==, arrays element by element (NaN where NaN)."""
+    if isinstance(got, dict):
+        assert got.keys() == want.keys(), path
+        for key in got:
+            assert_same_outputs(got[key], want[key], f"{path}[{key!r}]")
+    elif isinstance(got, np.ndarray):
+        np.testing.assert_array_equal(got, want, err_msg=path)
+    else:
+        assert got == want or (got != got and want != want), f"{path}: {got!r} != {want!r}"
+
+
 @pytest.mark.slow
 @pytest.mark.clients
-def test_control_program_gives_genlm_backends_outputs(ours, seed_lm):
-    want = asyncio.run(control_program(seed_lm, seed=3))
+def test_control_program_gives_genlm_backends_outputs(ours, seed_lm, model_dir, monkeypatch):
+    """genlm-control's SMC (direct sampler and AWRS) on genlm: the rows it got are genlm-backend's within
+    the float32 bound, and the same program on genlm-backend given those rows gives every output to the bit
+    (its weights are functions of the rows with no bounded sensitivity: see replay.py)."""
+    recorded = Recorder(ours, monkeypatch)
     got = asyncio.run(control_program(ours, seed=3))
-    np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
-    for name in ("direct", "awrs"):
-        assert got[name]["contexts"] == want[name]["contexts"]
-        np.testing.assert_allclose(got[name]["log_weights"], want[name]["log_weights"], atol=1e-4, rtol=0)
-        assert got[name]["log_ml"] == pytest.approx(want[name]["log_ml"], abs=1e-4)
+    check_rows_are_genlm_backends("control program", recorded.rows, seed_lm, model_dir)
+    asked = replay(seed_lm, recorded.rows, monkeypatch)
+    assert_same_outputs(asyncio.run(control_program(seed_lm, seed=3)), got)
+    assert set(asked) == set(recorded.rows)  # the replayed run took the recorded path, all of it
 
 
 @pytest.mark.slow
 @pytest.mark.clients
-def test_llamppl_program_gives_genlm_backends_outputs(ours, seed_lm):
-    want = asyncio.run(llamppl_program(seed_lm, seed=4))
+def test_llamppl_program_gives_genlm_backends_outputs(ours, seed_lm, model_dir, monkeypatch):
+    recorded = Recorder(ours, monkeypatch)
     got = asyncio.run(llamppl_program(ours, seed=4))
-    assert got["texts"] == want["texts"]
-    np.testing.assert_allclose(got["log_weights"], want["log_weights"], atol=1e-4, rtol=0)
+    check_rows_are_genlm_backends("llamppl program", recorded.rows, seed_lm, model_dir)
+    asked = replay(seed_lm, recorded.rows, monkeypatch)
+    assert_same_outputs(asyncio.run(llamppl_program(seed_lm, seed=4)), got)
+    assert set(asked) == set(recorded.rows)
 
 
 @pytest.mark.slow
 @pytest.mark.clients
-def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
-    """install() turns genlm-bytes' ByteBeamState.initial(llm, params) into genlm's byte LM: same log Z
-    and next-byte distribution as genlm-bytes on genlm-backend (which sums in float32)."""
+def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm, model_dir, monkeypatch):
+    """install() turns genlm-bytes' ByteBeamState.initial(llm, params) into genlm's byte LM: the rows it
+    used are genlm-backend's within the float32 bound, and genlm-bytes on genlm-backend given those rows has
+    the same log Z and next-byte distribution within the bound of its float32 trie sums (ours are float64).
+
+    That bound: genlm-bytes rounds each token's probability to float32 (``u`` relative) and sums a node's
+    at most V of them in float32 (:func:`bounds.sum_error`, relative to the node's mass, all terms
+    positive), ours sums in float64; so a node's mass is off by a relative ``e = u + s_V(u) + s_V(u64)``.
+    Prefilling ``n`` bytes moves each beam item down the trie one byte at a time, its weight multiplied by
+    a child's mass over its node's (off by at most ``2e / (1 - e)`` in log), and a weight is renormalised
+    at each token boundary by the same masses; the next-byte distribution is one more such ratio. So log Z
+    and every next-byte log-probability are off by at most ``2 (n + 1) (2e / (1 - e))``: 2 for the
+    masses of the two sides' items, ``n + 1`` steps."""
     import genlm.bytes as gb
 
     text = b"The capital of France is"
@@ -202,7 +238,7 @@ def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
         await beam.cleanup()
         return out
 
-    want = asyncio.run(run(gb.ByteBeamState, gb.BeamParams, seed_lm))
+    recorded = Recorder(ours.genlm_lm, monkeypatch)
     genlm_compat.install()
     try:
         assert gb.ByteBeamState is genlm_compat.CompatByteBeamState
@@ -210,10 +246,19 @@ def test_genlm_bytes_beam_runs_on_genlms_byte_lm(ours, seed_lm):
     finally:
         genlm_compat.uninstall()
     assert gb.ByteBeamState is not genlm_compat.CompatByteBeamState
-    assert got[0] == pytest.approx(want[0], abs=1e-4)
+    check_rows_are_genlm_backends("genlm-bytes beam", recorded.rows, seed_lm, model_dir)
+    replay(seed_lm, recorded.rows, monkeypatch)
+    want = asyncio.run(run(gb.ByteBeamState, gb.BeamParams, seed_lm))
+    vocab = len(seed_lm.byte_vocab)
+    e = bounds.U32 + float(bounds.sum_error(vocab, 1.0)) + float(bounds.sum_error(vocab, 1.0, bounds.U64))
+    tol = bounds.Bound(
+        2 * (len(text) + 1) * 2 * e / (1 - e), f"float32 trie sums of V={vocab} over {len(text) + 1} byte steps"
+    )
+    bounds.within("compat: genlm-bytes beam log Z vs genlm-backend's", abs(got[0] - want[0]), tol)
     finite = np.isfinite(want[1])
     assert (np.isfinite(got[1]) == finite).all()
-    np.testing.assert_allclose(got[1][finite], want[1][finite], atol=1e-4)
+    next_byte = float(np.abs(got[1][finite] - want[1][finite]).max())
+    bounds.within("compat: genlm-bytes next byte vs genlm-backend's", next_byte, tol)
 
 
 @pytest.mark.slow

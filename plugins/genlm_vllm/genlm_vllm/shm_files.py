@@ -171,12 +171,15 @@ class EngineFiles:
     While the engine starts (:meth:`marking`), this process and every process that multiprocessing starts
     from it (vLLM's engine core, its workers, their own children) name their semaphores and shared-memory
     segments with the engine's tag. A file made otherwise (by C code, with a name of its own) is the engine's
-    where the processes started for it use it once it has started (:attr:`untagged`): ``/dev/shm`` is read
-    then, for the processes under this one that were not there before."""
+    where it appeared while the engine started and the processes started for it use it once it has started
+    (:attr:`untagged`): ``/dev/shm`` is read then, for the processes under this one that were not there
+    before. A file made before the start is never the engine's, even where its processes use it (a queue
+    of the caller's handed to them)."""
 
     def __init__(self) -> None:
         self.tag = f"{os.getpid()}x{secrets.token_hex(3)}"  #: in the name of every file of this engine's
-        #: Files without the tag that the engine's processes used once it had started: those that C code
+        #: Files without the tag that appeared while the engine started and that its processes used once it
+        #: had started: those that C code
         #: makes with names of its own (vLLM's CPU build names its tensor-parallel all-reduce buffers
         #: ``vllm_dist_<id>-...-cpushm_<rank>``); on Ray, those that appeared while it started (:meth:`marking`).
         self.untagged: set[str] = set()
@@ -196,15 +199,16 @@ class EngineFiles:
         with _marking:
             config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
             saved = config.get("semprefix"), config.get(CONFIG_KEY), shared_memory._make_filename  # type: ignore[attr-defined]
-            before, names_before = descendants(), names() if ray else set()
+            before, names_before = descendants(), names()
             mark_this_process(self.tag)
             config[CONFIG_KEY] = FileTag(self.tag)
             try:
                 yield
                 self.processes = {pid: at for pid, at in descendants().items() if before.get(pid) != at}
                 used = {os.path.relpath(path, SHM_DIR) for path in files_used_by(list(self.processes))}
-                appeared = names() - names_before if ray else set()
-                self.untagged = {os.path.join(SHM_DIR, n) for n in used | appeared if _unmarked(n)}
+                appeared = names() - names_before  # a file that was there before is never the engine's
+                taken = appeared if ray else used & appeared
+                self.untagged = {os.path.join(SHM_DIR, n) for n in taken if _unmarked(n)}
             finally:
                 config["semprefix"] = saved[0]
                 if saved[1] is None:
