@@ -355,7 +355,7 @@ def part_rows(part: Part, args: argparse.Namespace) -> None:
         else:
             tol = float(bounds.model_difference(plain_diff, factor=2.0))
             basis = f"2 x {plain_diff:.2g}, HF's unbatched {name} vs float64"
-        bounds.record(f"gpu check rows: {name}", diff, tol)
+        bounds.record(f"gpu check rows: {name}", diff, bounds.Bound(tol, basis))
         devices = sorted({str(r.device) for r in rows})
         ok = diff <= tol
         on_device = all(r.device.type == device.type for r in rows)

@@ -150,9 +150,9 @@ def check_float32_error_is_the_largest_over_every_prefix_row_and_the_models_prob
             b = torch.log_softmax(m64(ids).logits[0], -1)
         return (a - b).abs().max(-1).values  # per position
 
-    probe = max(float(largest(c).max()) for c in bounds._probe(path))
+    probe = max(float(largest(c).max()) for c in bounds.probe_contexts(path))
     own = largest(ctx)
-    assert len(bounds._probe(path)) == bounds.PROBE_CONTEXTS and probe > 0
+    assert len(bounds.probe_contexts(path)) == bounds.PROBE_CONTEXTS and probe > 0
     assert whole == max(probe, float(own.max()))
     assert bounds.float32_error(path, [[1]]) >= probe  # a one-token context is measured with the probe
 

@@ -233,8 +233,9 @@ PROBE_CONTEXTS, PROBE_LENGTH = 4, 64
 _probes: dict[str, list[tuple[int, ...]]] = {}
 
 
-def _probe(folder: str) -> list[tuple[int, ...]]:
-    """The model's fixed probe contexts: token ids drawn uniformly from its vocabulary, seed 0."""
+def probe_contexts(folder: str) -> list[tuple[int, ...]]:
+    """The fixed probe of the model in ``folder`` (:func:`float32_error`): :data:`PROBE_CONTEXTS` contexts of
+    :data:`PROBE_LENGTH` token ids drawn uniformly from its vocabulary, seed 0."""
     if folder not in _probes:
         import numpy as np
 
@@ -268,7 +269,7 @@ def float32_error(model_dir: str, contexts: Sequence[Sequence[int]], min_logprob
     level, which :func:`model_difference` assumes the measurement does. Each context's rows are cached,
     and the model's two copies are kept for the next call."""
     folder = str(model_dir)
-    asked = {tuple(int(t) for t in c) for c in contexts if len(c)} | set(_probe(folder))
+    asked = {tuple(int(t) for t in c) for c in contexts if len(c)} | set(probe_contexts(folder))
     todo = sorted(c for c in asked if (folder, c, min_logprob) not in _row_errors)
     if todo:
         import torch
@@ -284,16 +285,29 @@ def float32_error(model_dir: str, contexts: Sequence[Sequence[int]], min_logprob
         for i, context in enumerate(todo):
             if i + 1 < len(todo) and todo[i + 1][: len(context)] == context:
                 continue  # a prefix of the next one: that pass gives its rows too
-            with torch.no_grad():
-                ids = torch.tensor([list(context)])
-                rows32 = torch.log_softmax(model(ids).logits[0], -1).double()
-                rows64 = torch.log_softmax(exact(ids).logits[0], -1)
-            for k, (a, b) in enumerate(zip(rows32, rows64, strict=True)):
-                diff = (a - b).abs()
-                if min_logprob is not None:
-                    diff = diff[b >= min_logprob]
-                _row_errors[(folder, context[: k + 1], min_logprob)] = diff.max().item() if diff.numel() else 0.0
+            for k, error in enumerate(position_errors(model, exact, context, min_logprob)):
+                _row_errors[(folder, context[: k + 1], min_logprob)] = error
     return max((_row_errors[(folder, c[:k], min_logprob)] for c in asked for k in range(1, len(c) + 1)), default=0.0)
+
+
+def position_errors(model: Any, exact: Any, context: Sequence[int], min_logprob: float | None = None) -> list[float]:
+    """Per position of ``context``, the largest ``|float32 - float64|`` next-token log-probability of one
+    unbatched pass of ``model`` (float32) against ``exact`` (the same weights in float64): the measurement
+    behind :func:`float32_error`, for a model it cannot load by folder (one under a LoRA adapter, say).
+    With ``min_logprob``, only entries whose float64 log-probability is at least that count."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([[int(t) for t in context]])
+        rows32 = torch.log_softmax(model(ids).logits[0], -1).double()
+        rows64 = torch.log_softmax(exact(ids).logits[0], -1)
+    errors = []
+    for a, b in zip(rows32, rows64, strict=True):
+        diff = (a - b).abs()
+        if min_logprob is not None:
+            diff = diff[b >= min_logprob]
+        errors.append(diff.max().item() if diff.numel() else 0.0)
+    return errors
 
 
 #: What a kit check takes as its tolerance: a number, a function of the compared contexts (such as
@@ -491,4 +505,4 @@ def within_each(name: str, got: Any, want: Any, tolerance: Any, basis: str = "",
         )
 
 
-__all__ += ["tree_sum_depth", "tree_sum_error", "within_each"]
+__all__ += ["position_errors", "probe_contexts", "tree_sum_depth", "tree_sum_error", "within_each"]

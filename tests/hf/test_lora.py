@@ -59,14 +59,21 @@ def exact_model(base_path, adapter_path):
     return copy.deepcopy(reference_model(base_path, adapter_path)).double()
 
 
+@functools.cache
+def adapted_error(base_path, adapter_path, ids):
+    """The adapted model's float32-vs-float64 error over every prefix's row of ``ids`` and the base model's
+    fixed probe (as bounds.float32_error measures a model it loads by folder)."""
+    model, exact = reference_model(base_path, adapter_path), exact_model(base_path, adapter_path)
+    contexts = [ids, *bounds.probe_contexts(base_path)]
+    return max(max(bounds.position_errors(model, exact, c)) for c in contexts)
+
+
 def check(name, row, base_path, adapter_path, ids):
     """``row`` (genlm-hf, batched, from cached KV, under an adapter) against the reference's unbatched
     float32 forward pass: two float32 runs of one model, within 4 x that model's float32-vs-float64 error
-    on ``ids`` (bounds.model_difference)."""
+    on ``ids``'s rows and the model's probe (bounds.model_difference)."""
     want = reference(base_path, adapter_path, ids)
-    with torch.no_grad():
-        logits = exact_model(base_path, adapter_path)(torch.tensor([ids])).logits[0, -1]
-    measured = (want - torch.log_softmax(logits, -1)).abs().max().item()
+    measured = adapted_error(base_path, adapter_path, tuple(ids))
     bounds.within(f"hf lora: {name}", (row.double() - want).abs().max().item(), bounds.model_difference(measured))
 
 
