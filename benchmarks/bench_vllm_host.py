@@ -207,7 +207,6 @@ class Run:
     split: Split
     added: float  # vLLM requests added per step
     computed_per_row: float
-    rows: int
 
 
 async def smc_run(lm: Any, prompt: list[int], n: int, steps: int, mask: torch.Tensor) -> Run:
@@ -249,7 +248,6 @@ async def smc_run(lm: Any, prompt: list[int], n: int, steps: int, mask: torch.Te
         split,
         split.calls.get("add chunk", 0) / k,
         computed / max(rows_run, 1),
-        rows_run,
     )
 
 

@@ -227,6 +227,7 @@ def lower_precision(measured: float, u: float, factor: float = 2.0) -> Bound:
     return Bound(factor * scaled + measured, f"{factor:g} x {u / U32:g} x float32's error {measured:.3g}, plus it")
 
 
+#: (folder, context, min_logprob) -> the largest error over the context's rows at every position.
 _row_errors: dict[tuple[str, tuple[int, ...], float | None], float] = {}
 #: How many contexts, of how many tokens, :func:`float32_error`'s fixed probe of a model has.
 PROBE_CONTEXTS, PROBE_LENGTH = 4, 64
@@ -285,9 +286,11 @@ def float32_error(model_dir: str, contexts: Sequence[Sequence[int]], min_logprob
         for i, context in enumerate(todo):
             if i + 1 < len(todo) and todo[i + 1][: len(context)] == context:
                 continue  # a prefix of the next one: that pass gives its rows too
+            largest = 0.0  # kept per prefix as the largest over its own positions: each lookup is one entry
             for k, error in enumerate(position_errors(model, exact, context, min_logprob)):
-                _row_errors[(folder, context[: k + 1], min_logprob)] = error
-    return max((_row_errors[(folder, c[:k], min_logprob)] for c in asked for k in range(1, len(c) + 1)), default=0.0)
+                largest = max(largest, error)
+                _row_errors[(folder, context[: k + 1], min_logprob)] = largest
+    return max((_row_errors[(folder, c, min_logprob)] for c in asked), default=0.0)
 
 
 def position_errors(model: Any, exact: Any, context: Sequence[int], min_logprob: float | None = None) -> list[float]:

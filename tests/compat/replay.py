@@ -22,8 +22,19 @@ from typing import Any
 import pytest
 import torch
 
-ROW_METHODS = ("next_token_logprobs", "batch_next_token_logprobs")
-SYNC_METHODS = ("next_token_logprobs_sync", "batch_next_token_logprobs_sync")
+#: The row methods a client program calls, in the order :func:`_install` takes their replacements.
+ROW_METHODS = (
+    "next_token_logprobs",
+    "batch_next_token_logprobs",
+    "next_token_logprobs_sync",
+    "batch_next_token_logprobs_sync",
+)
+
+
+def _install(lm: Any, monkeypatch: pytest.MonkeyPatch, methods: tuple[Any, ...]) -> None:
+    """Put ``methods`` (one per name of :data:`ROW_METHODS`, in its order) on the instance ``lm``."""
+    for name, fn in zip(ROW_METHODS, methods, strict=True):
+        monkeypatch.setattr(lm, name, fn)
 
 
 def _key(context: Sequence[int]) -> tuple[int, ...]:
@@ -55,11 +66,11 @@ class Recorder:
             self._keep(token_ids_list, rows)
             return rows
 
-        for name, fn in zip(
-            ROW_METHODS + SYNC_METHODS,
+        _install(
+            lm,
+            monkeypatch,
             (next_token_logprobs, batch_next_token_logprobs, next_token_logprobs_sync, batch_next_token_logprobs_sync),
-        ):
-            monkeypatch.setattr(lm, name, fn)
+        )
 
     def _keep(self, contexts: Sequence[Sequence[int]], rows: Any) -> Any:
         for context, row in zip(contexts, rows, strict=True):
@@ -94,9 +105,9 @@ def replay(lm: Any, rows: dict[tuple[int, ...], torch.Tensor], monkeypatch: pyte
     def batch_next_token_logprobs_sync(token_ids_list: Sequence[Sequence[int]], *args: Any, **kw: Any) -> Any:
         return torch.stack([row(c) for c in token_ids_list])
 
-    for name, fn in zip(
-        ROW_METHODS + SYNC_METHODS,
+    _install(
+        lm,
+        monkeypatch,
         (next_token_logprobs, batch_next_token_logprobs, next_token_logprobs_sync, batch_next_token_logprobs_sync),
-    ):
-        monkeypatch.setattr(lm, name, fn)
+    )
     return asked
