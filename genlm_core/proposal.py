@@ -3,8 +3,9 @@
 Each particle's next token is drawn from its next-token distribution restricted to a mask, and its
 weight is multiplied by the probability mass the mask kept. :func:`masked_proposal` does this for
 ``n`` rows in one pass on the device the rows live on: it masks, takes the log of the kept mass and
-draws by inverse CDF (one uniform per row), in float64 so that no token of positive probability
-is lost to rounding.
+draws by inverse CDF (one uniform per row), in two levels (a block of tokens by its mass, then a
+token inside it) so that no token of positive probability is lost to rounding, with float32 work
+over the rows and float64 sums only over blocks and one block per row.
 
 >>> import torch
 >>> rows = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
@@ -30,6 +31,13 @@ class Proposal:
     log_kept: torch.Tensor
 
 
+#: Tokens per block of the two-level draw: a block is chosen by its mass, then a token inside it.
+BLOCK = 256
+#: Rows whose kept mass in float32 falls below this are drawn again in float64 (their tokens could be
+#: near float32's underflow, e**-87: a mask that keeps only very unlikely tokens).
+FLOAT32_FLOOR = 2.0**-96
+
+
 def masked_proposal(
     logprobs: torch.Tensor,
     mask: torch.Tensor | None = None,
@@ -45,39 +53,81 @@ def masked_proposal(
     exceeds ``uniforms[i]`` times the row's kept mass; ``uniforms`` (in [0, 1), on any device) are
     drawn from ``generator`` when not given. A token outside the mask or of zero probability is
     never drawn. Raises ``ValueError`` for NaN rows, wrong shapes, and rows whose mask keeps no
-    probability (a particle with nothing to propose must be handled by the program)."""
+    probability (a particle with nothing to propose must be handled by the program).
+
+    The draw is two-level, so that no token's probability is absorbed by a running sum: the row's
+    float32 probabilities are summed per block of :data:`BLOCK` tokens, a block is drawn from the
+    blocks' masses (a float64 cumulative sum), then a token from the block's own float64 cumulative
+    sum. A token is lost only below float32's underflow (probability under ``e**-87``; a row whose
+    kept mass is that small is drawn in float64 instead), where one float64 sum over the whole row
+    absorbs every token below ``2**-53`` of the mass before it. The block masses are float32 sums of
+    float32 ``exp`` (each relatively within ``gamma(BLOCK - 1) + FN_ULPS_U * U32``): a token whose
+    cumulative interval lies that close to the target may be its neighbour."""
     single = logprobs.dim() == 1
     rows = logprobs.unsqueeze(0) if single else logprobs
     if rows.dim() != 2 or rows.shape[1] == 0:
         raise ValueError(f"logprobs must be (V,) or (n, V) with V > 0, got shape {tuple(logprobs.shape)}")
     n, vocab = rows.shape
-    if torch.isnan(rows).any():
-        bad = torch.isnan(rows).any(1).nonzero().flatten().tolist()
-        raise ValueError(f"rows {bad} contain NaN")
-    probs = rows.to(torch.float64).exp_()  # float32 logprobs are >= -104: no underflow in float64
     if mask is not None:
         if mask.dtype != torch.bool:
             raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
         if mask.shape not in ((vocab,), (n, vocab)):
             raise ValueError(f"mask has shape {tuple(mask.shape)}; want ({vocab},) or ({n}, {vocab})")
-        probs.mul_(mask.to(probs.device))  # in place; exact (times 1 or 0), faster than a broadcast masked_fill
-    cdf = torch.cumsum(probs, dim=1)  # the running kept probability; its last column is the kept mass
-    kept = cdf[:, -1]
-    empty = kept <= 0
-    if empty.any():
-        raise ValueError(f"rows {empty.nonzero().flatten().tolist()}: the mask keeps no token of positive probability")
+        mask = mask.to(rows.device)
     if uniforms is None:
         uniforms = torch.rand(n, generator=generator, dtype=torch.float64)
-    uniforms = uniforms.to(device=probs.device, dtype=torch.float64).reshape(-1)
+    uniforms = uniforms.to(device=rows.device, dtype=torch.float64).reshape(-1)
     if uniforms.shape != (n,) or ((uniforms < 0) | (uniforms >= 1)).any():
         raise ValueError(f"need {n} uniforms in [0, 1), got {tuple(uniforms.shape)} values")
-    # The first token whose running kept probability exceeds the target: it has positive probability.
-    tokens = torch.searchsorted(cdf, (uniforms * kept)[:, None], right=True).squeeze(1)
-    past = tokens >= vocab  # rounding put the target at the CDF's last step: take the last kept token
+
+    blocks = -(-vocab // BLOCK)
+    probs = torch.empty(n, blocks * BLOCK, dtype=torch.float32, device=rows.device)
+    probs[:, vocab:].zero_()  # the last block's padding
+    kept_probs = probs[:, :vocab]
+    torch.exp(rows, out=kept_probs) if rows.dtype == torch.float32 else kept_probs.copy_(rows.exp())
+    if mask is not None:
+        kept_probs.mul_(mask)  # in place; exact (times 1 or 0)
+    by_block = probs.view(n, blocks, BLOCK)
+    masses = by_block.sum(2).to(torch.float64)
+    cdf = torch.cumsum(masses, dim=1)
+    kept = cdf[:, -1]
+    if torch.isnan(kept).any():
+        bad = torch.isnan(rows).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"rows {bad} contain NaN")
+    target = uniforms * kept
+    block = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=blocks - 1)
+    below = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    inside = by_block[torch.arange(n, device=rows.device), block].to(torch.float64)
+    inner = torch.searchsorted(torch.cumsum(inside, dim=1), (target - below)[:, None], right=True).squeeze(1)
+    past = inner >= BLOCK  # the block's float64 sum fell short of its float32 mass: its last kept token
     if past.any():
-        last_kept = vocab - 1 - torch.argmax((probs[past] > 0).flip(1).to(torch.int8), dim=1)
-        tokens[past] = last_kept
+        inner[past] = BLOCK - 1 - torch.argmax((inside[past] > 0).flip(1).to(torch.int8), dim=1)
+    tokens = block * BLOCK + inner
     log_kept = torch.log(kept)
+    small = kept < FLOAT32_FLOOR
+    if small.any():
+        again = small.nonzero().flatten()
+        tokens[again], log_kept[again] = _float64_draw(rows, mask, uniforms, again)
     if single:
         return Proposal(tokens[0], log_kept[0])
     return Proposal(tokens, log_kept)
+
+
+def _float64_draw(
+    rows: torch.Tensor, mask: torch.Tensor | None, uniforms: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-level draw in float64 of rows ``index``, whose kept mass is near float32's underflow."""
+    vocab = rows.shape[1]
+    probs = rows[index].to(torch.float64).exp_()  # float32 logprobs are >= -104: no underflow in float64
+    if mask is not None:
+        probs.mul_(mask if mask.dim() == 1 else mask[index])
+    cdf = torch.cumsum(probs, dim=1)
+    kept = cdf[:, -1]
+    empty = kept <= 0
+    if empty.any():
+        raise ValueError(f"rows {index[empty].tolist()}: the mask keeps no token of positive probability")
+    tokens = torch.searchsorted(cdf, (uniforms[index] * kept)[:, None], right=True).squeeze(1)
+    past = tokens >= vocab  # rounding put the target at the CDF's last step: take the last kept token
+    if past.any():
+        tokens[past] = vocab - 1 - torch.argmax((probs[past] > 0).flip(1).to(torch.int8), dim=1)
+    return tokens, torch.log(kept)

@@ -7,20 +7,29 @@ import math
 import pytest
 import torch
 
-from genlm_core.proposal import masked_proposal
+from genlm_core.proposal import BLOCK, masked_proposal
 from genlm_core.testing import bounds
 
 
-def reference(row: torch.Tensor, mask: torch.Tensor, u: float) -> tuple[int, float]:
-    """The first kept token whose running kept probability exceeds u times the kept mass."""
+def reference(row: torch.Tensor, mask: torch.Tensor, u: float) -> tuple[int, float, float]:
+    """The first kept token whose running kept probability exceeds u times the kept mass, the log kept
+    mass, and how far (relative to the mass) the target lies from the nearest end of that token's
+    interval of the running sum."""
     kept = [math.exp(x) if m else 0.0 for x, m in zip(row.double().tolist(), mask.tolist())]
     total = math.fsum(kept)
     running = 0.0
     for token, p in enumerate(kept):
         running += p
         if p > 0 and running > u * total:
-            return token, math.log(total)
-    return max(i for i, p in enumerate(kept) if p > 0), math.log(total)
+            return token, math.log(total), min(running - u * total, u * total - (running - p)) / total
+    return max(i for i, p in enumerate(kept) if p > 0), math.log(total), 0.0
+
+
+def kept_neighbours(mask: torch.Tensor, row: torch.Tensor, token: int) -> set[int]:
+    """The kept tokens of positive probability just before and after ``token``."""
+    ok = [i for i in range(len(mask)) if mask[i] and row[i] > float("-inf")]
+    at = ok.index(token)
+    return set(ok[max(0, at - 1) : at + 2])
 
 
 def random_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
@@ -31,23 +40,48 @@ def random_rows(n: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shared_mask", [True, False])
-def test_tokens_and_kept_mass_match_the_brute_force_walk(shared_mask):
-    rows = random_rows(64, 50, seed=1)
+@pytest.mark.parametrize("vocab", [50, 2 * BLOCK + 50])
+def test_tokens_and_kept_mass_match_the_brute_force_walk(shared_mask, vocab):
+    """Against a float64 walk over each row (fsum for the mass): the same token, except where the target
+    lies within the blocks' float32 error of its interval's end (then a kept neighbour); the kept mass
+    within that error. Rows of 50 tokens (one block) and of several blocks."""
+    rows = random_rows(64, vocab, seed=1)
     g = torch.Generator().manual_seed(2)
-    mask = torch.rand(50, generator=g) < 0.4 if shared_mask else torch.rand(64, 50, generator=g) < 0.4
+    mask = torch.rand(vocab, generator=g) < 0.4 if shared_mask else torch.rand(64, vocab, generator=g) < 0.4
     mask[..., 3] = True  # every row keeps some probability
     uniforms = torch.rand(64, generator=g, dtype=torch.float64)
     uniforms[:4] = torch.tensor([0.0, 1 - 1e-16, 0.5, 1e-300], dtype=torch.float64)  # the edges
     step = masked_proposal(rows, mask, uniforms=uniforms)
+    block_error = bounds.FN_ULPS_U * bounds.U32 + bounds.gamma(min(vocab, BLOCK) - 1, bounds.U32)
     for i in range(64):
         row_mask = mask if shared_mask else mask[i]
-        token, log_kept = reference(rows[i], row_mask, float(uniforms[i]))
-        assert int(step.tokens[i]) == token
-        # the kept mass: float64 exps (torch's and math's, FN_ULPS_U u apart each, relative) summed in
-        # order (a cumsum of 50: gamma_49) against fsum (correctly rounded), then two logs (u |log|)
-        tol = (2 * bounds.FN_ULPS_U + 1) * bounds.U64 + bounds.gamma(49, bounds.U64) + 2 * bounds.U64 * abs(log_kept)
+        token, log_kept, margin = reference(rows[i], row_mask, float(uniforms[i]))
+        drawn = int(step.tokens[i])
+        if drawn != token:
+            near = 2 * block_error + bounds.gamma(vocab, bounds.U64)  # the target's and the interval end's
+            assert margin <= near and drawn in kept_neighbours(row_mask, rows[i], token), (i, margin)
+        # the mass's relative error (a sum of float32 block masses, then float64 over blocks: gamma(blocks))
+        # becomes an absolute error of its log, beside the two logs' own (u |log|)
+        tol = block_error + bounds.gamma(vocab // BLOCK + 1, bounds.U64) + 2 * bounds.U64 * abs(log_kept)
         bounds.within("proposal: log kept mass vs brute force", abs(float(step.log_kept[i]) - log_kept), tol)
-        assert bool(row_mask[token]) and rows[i, token] > float("-inf")
+        assert bool(row_mask[drawn]) and rows[i, drawn] > float("-inf")
+
+
+def test_a_mask_keeping_only_tokens_below_float32s_underflow_still_draws_them():
+    """A row whose kept tokens all have probability under e**-87 (float32's exp underflows there) is
+    drawn in float64: the same tokens and mass as the walk, and never an error for keeping nothing."""
+    logits = torch.zeros(4, 600)
+    logits[:, 500:] = -95.0  # after normalising: log p about -95 - log(500)
+    rows = torch.log_softmax(logits, dim=1)
+    mask = torch.zeros(600, dtype=torch.bool)
+    mask[[510, 520, 599]] = True
+    uniforms = torch.tensor([0.1, 0.4, 0.7, 0.99], dtype=torch.float64)
+    step = masked_proposal(rows, mask, uniforms=uniforms)
+    for i in range(4):
+        token, log_kept, _ = reference(rows[i], mask, float(uniforms[i]))
+        assert int(step.tokens[i]) == token
+        tol = bounds.gamma(600, bounds.U64) + (2 * bounds.FN_ULPS_U + 2) * bounds.U64 * abs(log_kept)
+        bounds.within("proposal: float64 draw of unlikely tokens", abs(float(step.log_kept[i]) - log_kept), tol)
 
 
 def test_draws_follow_the_masked_distribution():

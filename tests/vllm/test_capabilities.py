@@ -181,7 +181,9 @@ def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
 
     On the shared in-process engine (its scheduler runs in this process): its start wrapped vLLM's session
     update (the fork connector's scheduler side calls exact_session_block_hashes); here the update is put
-    back as 0.26 has it and wrapped again the same way (exact hashes) or left so (as 0.26 left them)."""
+    back as 0.26 has it and wrapped again the same way (exact hashes) or left so (as 0.26 left them). The
+    particles continue as sessions here (the engine would keep them as running requests, whose replaced
+    token tests/vllm/test_sessions.py checks the same way)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     current = Scheduler._update_request_as_session
@@ -191,6 +193,7 @@ def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
         vllm_api.exact_session_block_hashes()  # as the fork connector's scheduler side does when an engine starts
     lm = engine
     lm.clear_cache()  # no session parked and no block cached by an earlier test
+    monkeypatch.setattr(lm.driver.sessions.engine, "resident", None)  # sessions, not running requests, here
     try:
         context = list(range(300, 300 + CPU_BLOCK_SIZE - 1))
         lm.next_token_logprobs_sync(context)

@@ -100,6 +100,96 @@ async def test_forks_compute_only_their_own_token(engine):
     check_rows(engine, list(zip(children + grandchildren, rows + more, strict=True)))
 
 
+def test_continued_particles_stay_running_requests_and_only_forks_are_added(engine, monkeypatch):
+    """A particle continued by one token keeps its vLLM request running (its next input the program's
+    token): no request is added for it, and a step of continued particles is one engine step. After
+    resampling only the forks (second and later children of a parent) are added. Every row is exact."""
+    engine.clear_cache()
+    sessions = engine.driver.sessions
+    assert sessions.engine.resident is not None  # the in-process engine keeps particles as running requests
+    core = sessions.core
+    added: list[str] = []
+    steps: list[int] = []
+    add_chunk, step = core.add_chunk, core.step
+
+    def counting_add(request_id, *args, **kwargs):
+        added.append(request_id)
+        return add_chunk(request_id, *args, **kwargs)
+
+    def counting_step():
+        steps[-1] += 1
+        return step()
+
+    monkeypatch.setattr(core, "add_chunk", counting_add)
+    monkeypatch.setattr(core, "step", counting_step)
+    rng = random.Random(3)
+    particles = [(*range(700, 745), t) for t in range(8)]  # 46 tokens: a block and a part
+    seen = []
+    for n in range(8):
+        before = len(added)
+        steps.append(0)
+        rows = engine.batch_next_token_logprobs_sync([list(p) for p in particles])
+        seen += list(zip(particles, rows, strict=True))
+        if n == 0:
+            assert len(added) - before == len(particles)  # new contexts
+        elif n % 3 == 0:  # the step after resampling: one request per fork
+            assert len(added) - before == len(particles) - len(set(p[:-1] for p in particles)), (n, added)
+        else:
+            assert (len(added) - before, steps[-1]) == (0, 1), (n, added[before:], steps)
+        if n % 3 == 2:  # multinomial resampling: duplicated, reordered parents
+            particles = [rng.choice(particles) for _ in particles]
+        particles = [(*p, rng.randrange(1000, 30000)) for p in particles]
+    check_rows(engine, seen)
+
+
+def test_a_token_replaced_where_it_completes_a_block_is_cached_as_the_programs(engine):
+    """vLLM samples its own token after each row of a running request; where that token completes a KV
+    block, vLLM hashes the block with it. The program's token replaces it, and the block must enter the
+    prefix cache under the program's token: a later context that holds vLLM's token there must not be
+    served the program's KV (its row would be another context's)."""
+    engine.clear_cache()
+    context = list(range(900, 900 + CPU_BLOCK_SIZE - 1))  # its next token completes the first block
+    row = engine.next_token_logprobs_sync(context)
+    sampled = int(row.argmax())  # what vLLM's greedy sampler drew: the block's hash was taken with it
+    chosen = next(t for t in range(5, 50) if t != sampled)
+    rows = [engine.next_token_logprobs_sync([*context, chosen]), engine.next_token_logprobs_sync([*context, chosen, 7])]
+    other = [*context, sampled, 7]  # shares the first block's hash only if it was left as vLLM's
+    seen = [(tuple(context), row), ((*context, chosen), rows[0]), ((*context, chosen, 7), rows[1])]
+    seen.append((tuple(other), engine.next_token_logprobs_sync(other)))
+    check_rows(engine, seen)
+
+
+def test_a_resampled_steps_rows_come_back_as_one_block_without_a_copy(engine, monkeypatch):
+    """After resampling, the engine's batch holds the particles in another order than the caller's; the
+    capture gathers each step's rows in the caller's order (by tag), so they come back as consecutive rows
+    of one block and are not stacked again (issue 58 point 3); every row is still its context's."""
+    import genlm_vllm.sessions as sessions
+
+    engine.clear_cache()
+    base = tuple(range(300, 340))
+    parents = [(*base, t) for t in range(6)]
+    engine.batch_next_token_logprobs_sync([list(base)])
+    engine.batch_next_token_logprobs_sync([list(p) for p in parents])
+    copies: list[bool] = []
+    as_block = sessions.as_block
+
+    def watched(rows):
+        out = as_block(rows)
+        copies.append(out.data_ptr() != rows[0].data_ptr())
+        return out
+
+    monkeypatch.setattr(sessions, "as_block", watched)
+    seen = []
+    for step in range(3):  # children of a resampled population: duplicated, reordered parents
+        children = [(*parents[i], 50 + step) for i in (5, 5, 0, 2, 2, 1)]
+        children[1] = (*children[1][:-1], 60 + step)
+        rows = engine.batch_next_token_logprobs_sync([list(c) for c in children])
+        seen += list(zip(children, rows, strict=True))
+        parents = children
+    assert copies and not any(copies), copies
+    check_rows(engine, seen)
+
+
 async def test_a_fork_at_a_block_boundary_copies_nothing(engine):
     engine.clear_cache()
     base = tuple(range(600, 600 + 2 * CPU_BLOCK_SIZE))
@@ -165,15 +255,13 @@ def test_a_batch_failing_midway_leaves_nothing_parked(engine, monkeypatch):
     ids = list(range(500, 530))
     engine.next_token_logprobs_sync(ids)  # one live session, continued by the failing batch below
     real = engine.driver.sessions.core.inputs.process_inputs
-    calls = []
 
-    def fails_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
+    def fails_the_new_context(request_id, prompt, *args, **kwargs):
+        if list(prompt["prompt_token_ids"]) == [7, 8, 9]:  # after the continued one was given its token
             raise ValueError("rejected by the engine")
-        return real(*args, **kwargs)
+        return real(request_id, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(engine.driver.sessions.core.inputs, "process_inputs", fails_second)
+    monkeypatch.setattr(engine.driver.sessions.core.inputs, "process_inputs", fails_the_new_context)
     with pytest.raises(ValueError, match="rejected by the engine"):
         engine.batch_next_token_logprobs_sync([[*ids, 1], [7, 8, 9]])
     monkeypatch.undo()
@@ -277,13 +365,8 @@ async def test_a_chunk_vllm_ends_early_fails_only_its_request(engine, monkeypatc
     stats = sessions.stats
     stats.__init__()
     core = sessions.core
-    add_chunk, step = core.add_chunk, core.step
-    victims: set[str] = set()
-
-    def tagging_add_chunk(request_id, token_ids, *args, **kwargs):
-        if list(token_ids)[-1] == 99:  # the victim's chunk: the only one whose new token is 99
-            victims.add(request_id)
-        return add_chunk(request_id, token_ids, *args, **kwargs)
+    step = core.step
+    victims = {seq for request, seq in sessions.live.sequences() if request.token_ids == tuple(particles[3])}
 
     def step_ending_the_victim():
         outputs = step()
@@ -292,7 +375,6 @@ async def test_a_chunk_vllm_ends_early_fails_only_its_request(engine, monkeypatc
                 out.new_token_ids = []
         return outputs
 
-    monkeypatch.setattr(core, "add_chunk", tagging_add_chunk)
     monkeypatch.setattr(core, "step", step_ending_the_victim)
     contexts = [[*p, 7] for p in particles[:3]] + [[*particles[3], 99]]
     results = await asyncio.gather(*(engine.next_token_logprobs(c) for c in contexts), return_exceptions=True)

@@ -54,13 +54,13 @@ from genlm_vllm.vllm_api import (
 )
 from genlm_vllm.vllm_fixes import apply_cpu_fixes
 from genlm_vllm.wire import (
+    AT,
     CONTEXT,
     NORMALISE,
     ON_DEVICE,
     SLOT,
     TAG,
     Segment,
-    context_fingerprint,
     fingerprint_positions,
     worker_nap,
 )
@@ -105,7 +105,7 @@ def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -
         return
     ROWS_WRITTEN += len(wanted)
     by_width: dict[tuple[int | None, bool], list[tuple[dict[str, Any], int]]] = {}
-    for args, index in wanted:
+    for args, index in sorted(wanted, key=_caller_order):
         by_width.setdefault((args.get(NORMALISE), bool(args.get(ON_DEVICE))), []).append((args, index))
     for (width, on_device), group in by_width.items():
         picked = logits[torch.tensor([index for _, index in group], device=logits.device)]
@@ -123,16 +123,29 @@ def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -
                 _segment(path, n, slot_width).write(slot_index, seq, row)
 
 
+def _caller_order(pair: tuple[dict[str, Any], int]) -> tuple[str, int, int]:
+    """Where a row goes in its caller's batch: the tags of one batch are numbered in the caller's order
+    (:meth:`~genlm_vllm.rows.RowChannel.new_tags`), so rows gathered in this order come back as
+    consecutive rows of one block, whatever order the engine's batch holds them in (after resampling it
+    is another one): the caller then takes them without stacking them again. Matching stays by tag."""
+    args, index = pair
+    prefix, _, number = str(args.get(TAG, "")).rpartition("-")
+    return (prefix, int(number), index) if number.isdigit() else (prefix, -1, index)
+
+
 class CaptureLogits(V1LogitsProcessor):
     """The V1 model runner's processor: copies the logits of tagged requests; changes nothing.
 
     V1 tells a processor how its batch changed (:class:`BatchUpdate`: requests added, removed,
-    moved); the row kept is the one produced while the request has no output token yet."""
+    moved); the row kept is the one produced while the request holds :data:`~genlm_vllm.wire.AT` output
+    tokens (none: the row of its prompt; a resident request's, after its program's tokens), on the
+    context its fingerprint names."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool):
         set_up_this_process(vllm_config)  # the engine starts in this process: its model runner builds us first
-        #: batch index -> (extra args, output ids), for tagged requests whose context is the one asked for
-        self.slots: dict[int, tuple[dict[str, Any], list[int]]] = {}
+        #: batch index -> (extra args, prompt ids, output ids) of tagged requests (the lists are the
+        #: runner's own, so they are read as they are at each step)
+        self.slots: dict[int, tuple[dict[str, Any], list[int], list[int]]] = {}
         self.writer: bool | None = None  # decided at the first row: process groups exist by then
 
     def is_argmax_invariant(self) -> bool:
@@ -145,8 +158,8 @@ class CaptureLogits(V1LogitsProcessor):
             self.slots.pop(index, None)
         for index, params, prompt, output_ids in batch_update.added:
             args = (params.extra_args or {}) if params is not None else {}
-            if TAG in args and _context_matches(args, prompt):
-                self.slots[index] = (args, output_ids)
+            if TAG in args and prompt is not None:
+                self.slots[index] = (args, prompt, output_ids)
             else:
                 self.slots.pop(index, None)
         for a, b, direction in batch_update.moved:
@@ -165,8 +178,11 @@ class CaptureLogits(V1LogitsProcessor):
             return logits
         wanted = [
             (args, index)
-            for index, (args, output_ids) in self.slots.items()
-            if not output_ids and index < logits.shape[0]
+            for index, (args, prompt, output_ids) in self.slots.items()
+            if TAG in args
+            and len(output_ids) == args.get(AT, 0)
+            and index < logits.shape[0]
+            and _context_matches(args, prompt, output_ids)
         ]
         write_rows(wanted, logits)
         return logits
@@ -236,12 +252,16 @@ class CaptureLogitsV2(V2LogitsProcessor):
         return False
 
 
-def _context_matches(args: dict[str, Any], prompt: list[int] | None) -> bool:
-    """Whether the request runs on the context its tag was issued for (when the tag says which)."""
+def _context_matches(args: dict[str, Any], prompt: list[int], output_ids: list[int]) -> bool:
+    """Whether the request runs on the context its tag was issued for (when the tag says which): its
+    prompt and output tokens, read where the fingerprint reads them."""
     expected = args.get(CONTEXT)
-    if expected is None or prompt is None:
+    if expected is None:
         return True
-    if context_fingerprint(prompt) == list(expected):
+    n = len(prompt)
+    positions = fingerprint_positions(n + len(output_ids))
+    sample = tuple(prompt[i] if i < n else output_ids[i - n] for i in positions)
+    if [n + len(output_ids), hash(sample)] == list(expected):
         return True
     log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])
     return False

@@ -43,7 +43,11 @@ class LLMDriver(EngineDriver):
         )
         self.loras = vllm_api.LoRARequests()
         #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
-        self.sessions = Sessions(llm, self.rows, self.loras.get, options.live) if options.sessions_in(lay) else None
+        self.sessions = (
+            Sessions(llm, self.rows, self.loras.get, options.live, options.resident_requests)
+            if options.sessions_in(lay)
+            else None
+        )
         self.sampler: AutoBatcher[SampleCall, list[int]] = AutoBatcher(
             self._sample_batch,
             batch_size=options.batch_size,

@@ -41,6 +41,14 @@ class VLLMOptions(BackendOptions):
         "tokens; siblings that fork it after resampling copy its unfinished KV block (genlm_vllm.forks). Only for "
         "engine='llm'; enabled=False: every batch is a plain generate, with prefix caching only.",
     )
+    resident_requests: bool = Field(
+        True,
+        description="With live sequences, keep a particle that continues by one token as a running vLLM request "
+        "(its next input the token the program chose, written in place of the one vLLM sampled), so that a "
+        "continued particle costs what vLLM's own decode of a token costs; forks and new contexts still add "
+        "requests. Where the engine cannot (its core or model in other processes, Model Runner V2, async "
+        "scheduling: the log says which), or False, each row is a chunk of a resumable session.",
+    )
     rows_on_device: bool = Field(
         False,
         description="In-process engine on an accelerator: rows stay on the model's device, where the program's "

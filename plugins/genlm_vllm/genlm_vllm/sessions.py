@@ -24,6 +24,7 @@ this works wherever the core runs (this process, its own process, with TP/PP or 
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,8 +35,10 @@ from genlm_core import Request
 from genlm_core.live import LiveEngine, LiveOptions, LiveSequences, LiveStats, Piece, Ran
 from genlm_vllm.options import MAX_IDLE_BATCHES
 from genlm_vllm.rows import RowChannel, as_block
-from genlm_vllm.vllm_api import EngineCore, SamplingParams, prefill_counts
-from genlm_vllm.wire import CONNECTOR, CONTEXT, FORK, context_fingerprint
+from genlm_vllm.vllm_api import EngineCore, ResidentCore, SamplingParams, prefill_counts
+from genlm_vllm.wire import AT, CONNECTOR, CONTEXT, FORK, context_fingerprint
+
+log = logging.getLogger(__name__)
 
 #: The LoRA request of an adapter name (None: the base model), as vLLM's ``add_request`` takes it.
 LoRAOf = Callable[[str | None], Any]
@@ -48,8 +51,11 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
 
     copies_any_prefix = False
 
-    def __init__(self, core: EngineCore, rows: RowChannel, lora_of: LoRAOf):
+    def __init__(self, core: EngineCore, rows: RowChannel, lora_of: LoRAOf, resident: ResidentCore | None = None):
         self.core = core
+        #: where particles stay running requests between steps (None: every row is a session's chunk)
+        self.resident = resident
+        self._residents: dict[str, Any] = {}  # a live sequence that is a paused running request -> that request
         self.rows = rows
         self.lora_of = lora_of
         self.token_budget = core.token_budget
@@ -68,6 +74,7 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
     def release(self, seqs: Sequence[str]) -> None:
         for seq in seqs:
             self._sources.pop(seq, None)
+            self._residents.pop(seq, None)
         self.core.abort(list(seqs))
 
     def copy(self, source: str, target: str, length: int) -> bool:
@@ -79,17 +86,32 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
         return sequences <= self.max_live and tokens + sequences * self.block_size <= self.kv_budget
 
     def run(self, pieces: Sequence[Piece[str]], make_room: Callable[[], bool]) -> Ran[torch.Tensor]:
-        """Add one chunk per piece (its capture tag, context fingerprint, fork source and LoRA all
-        from the piece), step the engine until each has its token, and collect the rows."""
+        """Run each piece: a resident request that the piece extends by one token takes that token in
+        place of the one vLLM sampled and runs again; every other piece is added as a request (a new
+        resident one where it can be, else a session's chunk), its capture tag, context fingerprint,
+        fork source and LoRA all from the piece. Step the engine until each has its token, and collect
+        the rows."""
         ticket = self.rows.prepare(len(pieces))
         finished = False
         try:
             chunks: dict[str, int] = {}
+            resumed: list[Any] = []
             computed = 0
             for piece, extra in zip(pieces, ticket.extra_args, strict=True):
                 request = piece.request
                 args = {**extra, CONTEXT: context_fingerprint(request.context)}
-                if piece.fresh:
+                chunks[piece.seq] = len(chunks)
+                held = None if piece.fresh else self._residents.get(piece.seq)
+                if held is not None:
+                    if len(piece.new_tokens) == 1 and self._replace(held, piece, args):
+                        resumed.append(held)
+                        computed += 1
+                        continue
+                    self.core.abort([piece.seq])  # more than one new token: run the context again, same id
+                    del self._residents[piece.seq]
+                    args.pop(AT, None)
+                    tokens = request.token_ids  # vLLM's prefix cache serves its full blocks
+                elif piece.fresh:
                     tokens = request.token_ids  # vLLM's prefix cache and the fork serve what is held
                     source = self._sources.pop(piece.seq, None)
                     if source is not None:
@@ -97,9 +119,10 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
                 else:
                     tokens = piece.new_tokens
                     computed += len(tokens)
-                params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
-                self.core.add_chunk(piece.seq, tokens, params, self.lora_of(request.adapter), resumable=piece.keep)
-                chunks[piece.seq] = len(chunks)
+                self._add(piece, tokens, args, fresh=held is not None or piece.fresh)
+            if resumed:
+                assert self.resident is not None
+                self.resident.resume(resumed)
             ended, work = self._wait(chunks, sum(len(p.request) for p in pieces))
             rows = self.rows.collect(ticket)
             finished = True
@@ -108,10 +131,37 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
         value, failed = _block(rows, pieces, ended)
         return Ran(value, failed, computed + work[0], work[2], work[1])
 
+    def _add(self, piece: Piece[str], tokens: Sequence[int], args: dict[str, Any], fresh: bool) -> None:
+        """Add a piece's request: a resident one (it keeps running, up to the engine's longest context)
+        where the engine keeps them and the piece starts a sequence that stays live, else one chunk of a
+        resumable session."""
+        request = piece.request
+        lora = self.lora_of(request.adapter)
+        if fresh and piece.keep and self.resident is not None and request.adapter is None:
+            params = SamplingParams(
+                max_tokens=max(1, self.core.max_model_len - len(tokens)),
+                ignore_eos=True,
+                temperature=0.0,
+                detokenize=False,
+                extra_args=args,
+            )
+            self.core.add_chunk(piece.seq, tokens, params, lora, resumable=False)
+            self._residents[piece.seq] = self.resident.request(piece.seq)
+            return
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
+        self.core.add_chunk(piece.seq, tokens, params, lora, resumable=piece.keep)
+
+    def _replace(self, held: Any, piece: Piece[str], args: dict[str, Any]) -> bool:
+        """Make the piece's one new token the resident request's next input, and its row wanted."""
+        assert self.resident is not None
+        args[AT] = len(piece.request) - held.num_prompt_tokens
+        return self.resident.replace_sampled(held, piece.new_tokens[0], args)
+
     def _wait(self, chunks: dict[str, int], tokens: int) -> tuple[dict[int, BaseException], list[int]]:
-        """Step the engine until every chunk has its token. The chunks that ended otherwise (aborted
-        or failed in the engine), by piece, and the prefill tokens ``[computed, cached, copied]`` of
-        fresh chunks."""
+        """Step the engine until every chunk has its token, pausing each resident request as soon as
+        it has (it must not run again before its program chose its next token). The chunks that ended
+        otherwise (aborted or failed in the engine), by piece, and the prefill tokens ``[computed,
+        cached, copied]`` of fresh chunks."""
         pending, work = set(chunks), [0, 0, 0]
         ended: dict[int, BaseException] = {}
         idle, patience = 0, tokens // max(self.token_budget, 1) + 64  # steps with no output: prefill chunks
@@ -120,15 +170,25 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
             idle = 0 if outputs else idle + 1
             if idle > patience:
                 raise RuntimeError(f"vLLM made no progress on {len(pending)} requests in {idle} engine steps")
+            done: set[Any] = set()
             for out in outputs:
                 if out.request_id not in pending:
                     continue
                 pending.discard(out.request_id)
+                resident = self._residents.get(out.request_id)
+                if resident is not None:
+                    if out.finish_reason is None:
+                        done.add(resident)
+                    else:  # vLLM finished it (the engine's longest context, or an error): it holds nothing
+                        del self._residents[out.request_id]
                 if not out.new_token_ids:  # aborted or failed in the engine
                     ended[chunks[out.request_id]] = RuntimeError(f"vLLM ended request {out.request_id} early")
                 counts = prefill_counts(out)
                 if counts is not None:
                     work = [a + b for a, b in zip(work, counts, strict=True)]
+            if done:
+                assert self.resident is not None
+                self.resident.pause(done)
         return ended, work
 
 
@@ -159,8 +219,20 @@ def _block(
 class Sessions:
     """Live sequences of one ``vllm.LLM`` engine, continued across batches of requests."""
 
-    def __init__(self, llm: Any, rows: RowChannel, lora_of: LoRAOf, options: LiveOptions | None = None):
-        self.engine = SessionEngine(EngineCore.of(llm), rows, lora_of)
+    def __init__(
+        self,
+        llm: Any,
+        rows: RowChannel,
+        lora_of: LoRAOf,
+        options: LiveOptions | None = None,
+        resident: bool = True,
+    ):
+        core = None
+        if resident:
+            core, why = ResidentCore.of(llm)
+            if core is None:
+                log.info("genlm-vllm: particles continue as vLLM sessions, not running requests: %s", why)
+        self.engine = SessionEngine(EngineCore.of(llm), rows, lora_of, core)
         self.core = self.engine.core
         self.live: LiveSequences[str, torch.Tensor] = LiveSequences(
             self.engine, options or LiveOptions.model_validate({"max_idle_batches": MAX_IDLE_BATCHES})

@@ -603,6 +603,87 @@ class EngineCore:
             self.client.abort_requests(request_ids)
 
 
+class ResidentCore:
+    """The scheduler and the model runner of an engine whose core and one worker run in this process,
+    for :mod:`genlm_vllm.sessions` to keep particles as *running* requests (resident requests).
+
+    A resident request decodes as vLLM's own do: each engine step computes its last token and samples
+    the next. Between steps it is paused (out of the scheduler's running list, keeping its KV blocks
+    and its place in the model runner's persistent batch), and the token the program chose replaces
+    the one vLLM sampled, in the scheduler's request (its tokens and block hashes) and in the model
+    runner's cached state and batch, before it is resumed. No request is added, validated or
+    re-entered into the persistent batch for it. :meth:`of` says why an engine cannot do this."""
+
+    def __init__(self, scheduler: Any, runner: Any, max_loras: int):
+        self.scheduler = scheduler
+        self.runner = runner
+        self.max_loras = max_loras
+
+    @classmethod
+    def of(cls, llm: Any) -> tuple[ResidentCore | None, str]:
+        """This engine's resident core, or None and why not."""
+        engine = llm.llm_engine
+        client = engine.engine_core
+        core = getattr(client, "engine_core", None)
+        if type(client).__name__ != "InprocClient" or core is None:
+            return None, "the engine core runs in another process"
+        if getattr(core, "batch_queue", None) is not None:
+            return None, "the engine core queues batches (pipeline parallel or async scheduling)"
+        worker = getattr(getattr(core.model_executor, "driver_worker", None), "worker", None)
+        runner = getattr(worker, "model_runner", None)
+        if type(core.model_executor).__name__ != "UniProcExecutor" or runner is None:
+            return None, "the model runs in worker processes"
+        batch = getattr(runner, "input_batch", None)
+        if not hasattr(batch, "token_ids_cpu") or not isinstance(getattr(runner, "requests", None), dict):
+            return None, "the model runner is not vLLM's V1 runner (Model Runner V2 keeps its tokens on the device)"
+        if getattr(runner, "use_async_scheduling", False) or getattr(runner, "speculative_config", None) is not None:
+            return None, "the model runner schedules ahead (async scheduling or speculative decoding)"
+        lora = engine.vllm_config.lora_config
+        return cls(core.scheduler, runner, lora.max_loras if lora is not None else 0), ""
+
+    def request(self, request_id: str) -> Any:
+        """The scheduler's request of this id (None once it is finished)."""
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None or request.is_finished() else request
+
+    def pause(self, requests: set[Any]) -> None:
+        """Take these requests out of the scheduler's running list (they keep their KV blocks)."""
+        if requests:
+            self.scheduler.running = [r for r in self.scheduler.running if r not in requests]
+
+    def resume(self, requests: list[Any]) -> None:
+        """Put paused requests back into the running list, to compute their last token next step."""
+        self.scheduler.running.extend(requests)
+
+    def replace_sampled(self, request: Any, token: int, args: dict[str, Any]) -> bool:
+        """Make ``token`` the last token of paused ``request`` in place of the one vLLM sampled, and
+        ``args`` its ``extra_args``, in the scheduler and the model runner. False (nothing changed) where
+        the request does not hold exactly one token it has not computed."""
+        position = request.num_tokens - 1
+        state = self.runner.requests.get(request.request_id)
+        if (
+            request.num_computed_tokens != position
+            or position < request.num_prompt_tokens
+            or state is None
+            or state.num_tokens != position + 1
+        ):
+            return False
+        request._output_token_ids[-1] = token
+        request._all_token_ids[-1] = token
+        keep = position // self.scheduler.hash_block_size  # blocks of computed tokens only: unchanged
+        if len(request.block_hashes) > keep:
+            del request.block_hashes[keep:]
+            request.update_block_hashes()
+        state.output_token_ids[-1] = token
+        index = self.runner.input_batch.req_id_to_index.get(request.request_id)
+        if index is not None:
+            self.runner.input_batch.token_ids_cpu[index, position] = token
+        for params in (request.sampling_params, state.sampling_params):
+            params.extra_args.clear()  # one dict in this process, or a copy of it: both say the same
+            params.extra_args.update(args)
+        return True
+
+
 def prefill_counts(output: Any) -> tuple[int, int, int] | None:
     """(tokens computed, from the prefix cache, from a KV connector) of an output's prefill, if any."""
     stats = output.prefill_stats

@@ -5,7 +5,7 @@ engine arguments) and the engine's processes (:mod:`genlm_vllm.capture`, :mod:`g
 imports neither vLLM nor anything that does, and does nothing at import.
 
 - The ``extra_args`` keys a request carries into the engine (:data:`TAG`, :data:`SLOT`,
-  :data:`CONTEXT`, :data:`NORMALISE`, :data:`ON_DEVICE`, :data:`FORK`).
+  :data:`CONTEXT`, :data:`NORMALISE`, :data:`ON_DEVICE`, :data:`FORK`, :data:`AT`).
 - The names vLLM loads our engine-side code by, in each of its processes (:data:`PROCESSORS`,
   :data:`EXTENSION`, :data:`CONNECTOR` in :data:`CONNECTOR_MODULE`).
 - What the engine's processes are set up with, in vLLM's ``additional_config`` (:data:`WORKER_NAP`).
@@ -31,6 +31,10 @@ CONTEXT = "genlm_context"  #: (optional) the :func:`context_fingerprint` the row
 NORMALISE = "genlm_normalise"  #: (optional) normalise the row over this many first columns
 ON_DEVICE = "genlm_on_device"  #: (optional, in-process engines) keep the row on the model's device
 FORK = "genlm_fork"  #: the request id of the live sequence whose context this one extends
+#: (optional) how many output tokens a request holds when its row is computed: a resident request's
+#: row after the tokens its program chose (:class:`~genlm_vllm.vllm_api.ResidentCore`); absent: 0, the
+#: row at its prompt's last token
+AT = "genlm_at"
 
 # ---- the names vLLM loads our code by -------------------------------------------------------------
 
