@@ -84,7 +84,10 @@ def masked_proposal(
     probs = torch.empty(n, blocks * BLOCK, dtype=torch.float32, device=rows.device)
     probs[:, vocab:].zero_()  # the last block's padding
     kept_probs = probs[:, :vocab]
-    torch.exp(rows, out=kept_probs) if rows.dtype == torch.float32 else kept_probs.copy_(rows.exp())
+    if rows.dtype == torch.float32:
+        torch.exp(rows, out=kept_probs)
+    else:
+        kept_probs.copy_(rows.exp())
     if mask is not None:
         kept_probs.mul_(mask)  # in place; exact (times 1 or 0)
     by_block = probs.view(n, blocks, BLOCK)
@@ -101,7 +104,7 @@ def masked_proposal(
     inner = torch.searchsorted(torch.cumsum(inside, dim=1), (target - below)[:, None], right=True).squeeze(1)
     past = inner >= BLOCK  # the block's float64 sum fell short of its float32 mass: its last kept token
     if past.any():
-        inner[past] = BLOCK - 1 - torch.argmax((inside[past] > 0).flip(1).to(torch.int8), dim=1)
+        inner[past] = _last_positive(inside[past])
     tokens = block * BLOCK + inner
     log_kept = torch.log(kept)
     small = kept < FLOAT32_FLOOR
@@ -117,7 +120,6 @@ def _float64_draw(
     rows: torch.Tensor, mask: torch.Tensor | None, uniforms: torch.Tensor, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-level draw in float64 of rows ``index``, whose kept mass is near float32's underflow."""
-    vocab = rows.shape[1]
     probs = rows[index].to(torch.float64).exp_()  # float32 logprobs are >= -104: no underflow in float64
     if mask is not None:
         probs.mul_(mask if mask.dim() == 1 else mask[index])
@@ -127,7 +129,12 @@ def _float64_draw(
     if empty.any():
         raise ValueError(f"rows {index[empty].tolist()}: the mask keeps no token of positive probability")
     tokens = torch.searchsorted(cdf, (uniforms[index] * kept)[:, None], right=True).squeeze(1)
-    past = tokens >= vocab  # rounding put the target at the CDF's last step: take the last kept token
+    past = tokens >= rows.shape[1]  # rounding put the target at the CDF's last step: take the last kept token
     if past.any():
-        tokens[past] = vocab - 1 - torch.argmax((probs[past] > 0).flip(1).to(torch.int8), dim=1)
+        tokens[past] = _last_positive(probs[past])
     return tokens, torch.log(kept)
+
+
+def _last_positive(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's last column of positive probability (where rounding put the target past the end)."""
+    return probs.shape[1] - 1 - torch.argmax((probs > 0).flip(1).to(torch.int8), dim=1)

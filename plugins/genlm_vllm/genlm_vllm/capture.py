@@ -61,6 +61,7 @@ from genlm_vllm.wire import (
     SLOT,
     TAG,
     Segment,
+    fingerprint,
     fingerprint_positions,
     worker_nap,
 )
@@ -246,7 +247,7 @@ class CaptureLogitsV2(V2LogitsProcessor):
         length = want.position + 1
         at = torch.tensor(fingerprint_positions(length), device=self.req_states.all_token_ids.gpu.device)
         sampled = self.req_states.all_token_ids.gpu[slot, at].tolist()  # only the ids the fingerprint reads
-        if [length, hash(tuple(sampled))] == list(expected):
+        if fingerprint(length, sampled) == list(expected):
             return True
         log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", want.args[TAG])
         return False
@@ -258,10 +259,9 @@ def _context_matches(args: dict[str, Any], prompt: list[int], output_ids: list[i
     expected = args.get(CONTEXT)
     if expected is None:
         return True
-    n = len(prompt)
-    positions = fingerprint_positions(n + len(output_ids))
-    sample = tuple(prompt[i] if i < n else output_ids[i - n] for i in positions)
-    if [n + len(output_ids), hash(sample)] == list(expected):
+    n, length = len(prompt), len(prompt) + len(output_ids)
+    sample = [prompt[i] if i < n else output_ids[i - n] for i in fingerprint_positions(length)]
+    if fingerprint(length, sample) == list(expected):
         return True
     log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])
     return False

@@ -109,7 +109,6 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
                         continue
                     self.core.abort([piece.seq])  # more than one new token: run the context again, same id
                     del self._residents[piece.seq]
-                    args.pop(AT, None)
                     tokens = request.token_ids  # vLLM's prefix cache serves its full blocks
                 elif piece.fresh:
                     tokens = request.token_ids  # vLLM's prefix cache and the fork serve what is held
@@ -154,8 +153,8 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
     def _replace(self, held: Any, piece: Piece[str], args: dict[str, Any]) -> bool:
         """Make the piece's one new token the resident request's next input, and its row wanted."""
         assert self.resident is not None
-        args[AT] = len(piece.request) - held.num_prompt_tokens
-        return self.resident.replace_sampled(held, piece.new_tokens[0], args)
+        wanted = {**args, AT: len(piece.request) - held.num_prompt_tokens}
+        return self.resident.replace_sampled(held, piece.new_tokens[0], wanted)
 
     def _wait(self, chunks: dict[str, int], tokens: int) -> tuple[dict[int, BaseException], list[int]]:
         """Step the engine until every chunk has its token, pausing each resident request as soon as

@@ -614,10 +614,9 @@ class ResidentCore:
     runner's cached state and batch, before it is resumed. No request is added, validated or
     re-entered into the persistent batch for it. :meth:`of` says why an engine cannot do this."""
 
-    def __init__(self, scheduler: Any, runner: Any, max_loras: int):
+    def __init__(self, scheduler: Any, runner: Any):
         self.scheduler = scheduler
         self.runner = runner
-        self.max_loras = max_loras
 
     @classmethod
     def of(cls, llm: Any) -> tuple[ResidentCore | None, str]:
@@ -638,8 +637,7 @@ class ResidentCore:
             return None, "the model runner is not vLLM's V1 runner (Model Runner V2 keeps its tokens on the device)"
         if getattr(runner, "use_async_scheduling", False) or getattr(runner, "speculative_config", None) is not None:
             return None, "the model runner schedules ahead (async scheduling or speculative decoding)"
-        lora = engine.vllm_config.lora_config
-        return cls(core.scheduler, runner, lora.max_loras if lora is not None else 0), ""
+        return cls(core.scheduler, runner), ""
 
     def request(self, request_id: str) -> Any:
         """The scheduler's request of this id (None once it is finished)."""
@@ -670,10 +668,7 @@ class ResidentCore:
             return False
         request._output_token_ids[-1] = token
         request._all_token_ids[-1] = token
-        keep = position // self.scheduler.hash_block_size  # blocks of computed tokens only: unchanged
-        if len(request.block_hashes) > keep:
-            del request.block_hashes[keep:]
-            request.update_block_hashes()
+        _hash_again_past(request, position, self.scheduler.hash_block_size)
         state.output_token_ids[-1] = token
         index = self.runner.input_batch.req_id_to_index.get(request.request_id)
         if index is not None:
@@ -821,13 +816,19 @@ def exact_session_block_hashes() -> None:
     def update_session(self: Any, session: Any, update: Any) -> None:
         computed = session.num_computed_tokens
         original(self, session, update)
-        keep = computed // self.hash_block_size  # blocks wholly made of computed tokens: never changed
-        if len(session.block_hashes) > keep:
-            del session.block_hashes[keep:]
-            session.update_block_hashes()
+        _hash_again_past(session, computed, self.hash_block_size)
 
     update_session.genlm_exact_hashes = True  # type: ignore[attr-defined]
     setattr(Scheduler, "_update_request_as_session", update_session)  # noqa: B010 (mypy: a method)
+
+
+def _hash_again_past(request: Any, computed: int, block_size: int) -> None:
+    """Drop a request's block hashes past its first ``computed`` tokens' whole blocks (those never
+    change) and hash those blocks again from the tokens it holds now."""
+    keep = computed // block_size
+    if len(request.block_hashes) > keep:
+        del request.block_hashes[keep:]
+        request.update_block_hashes()
 
 
 def connector_metadata(connector: Any) -> Any:

@@ -77,7 +77,13 @@ def context_fingerprint(token_ids: Sequence[int]) -> list[int]:
     the context's length. Rows are matched by tag; this catches a request run on another context."""
     positions = fingerprint_positions(len(token_ids))
     sample = token_ids.take(positions) if isinstance(token_ids, Context) else [token_ids[i] for i in positions]
-    return [len(token_ids), hash(tuple(sample))]
+    return fingerprint(len(token_ids), sample)
+
+
+def fingerprint(length: int, sample: Sequence[int]) -> list[int]:
+    """The :func:`context_fingerprint` of a context of ``length`` tokens whose ids at
+    :func:`fingerprint_positions` are ``sample`` (for the engine, which holds them elsewhere)."""
+    return [length, hash(tuple(sample))]
 
 
 # ---- the shared-memory slot file ------------------------------------------------------------------
