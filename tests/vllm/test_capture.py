@@ -308,3 +308,33 @@ def test_a_steps_rows_leave_the_device_in_one_copy(monkeypatch):
     for args, i in wanted:
         assert same_row(got[args[TAG]], expected_row(logits[i], args.get(NORMALISE))), args[TAG]
     assert got["t7"].untyped_storage().data_ptr() == got["t0"].untyped_storage().data_ptr()  # one block
+
+
+def test_a_steps_rows_reuse_memory_nothing_holds_and_never_a_held_rows():
+    """Rows are written into host blocks used before (no fresh pages per step: :func:`capture._rows_of`),
+    but only into a block no row of it is held from: a row a caller keeps is never written again, and
+    a raw row is a copy, not a view of the engine's logits (which its sampler changes in place)."""
+    capture._memory.clear()
+    steps = [torch.randn(6, VOCAB) for _ in range(4)]
+    orders = [(0, 1, 2, 3, 4, 5), (5, 3, 1), (0, 1, 2, 3, 4, 5), (4, 0, 2)]  # consecutive and gathered
+    kept: dict[str, torch.Tensor] = {}
+    pointers = []
+    for s, (logits, order) in enumerate(zip(steps, orders, strict=True)):
+        wanted = [({TAG: f"s{s}-{k}", NORMALISE: VOCAB - 1}, i) for k, i in enumerate(order)]
+        write_rows(wanted, logits)
+        got = taken_rows()
+        pointers.append(got[f"s{s}-0"].untyped_storage().data_ptr())
+        if s % 2 == 0:
+            kept.update(got)  # held: their block must not be handed out again
+        del got
+        for tag, row in kept.items():
+            step, k = (int(x) for x in tag[1:].split("-"))
+            assert same_row(row, expected_row(steps[step][orders[step][k]], VOCAB - 1)), tag
+    assert pointers[3] == pointers[1]  # step 1's rows were dropped: step 3 writes into their block
+    assert len({pointers[0], pointers[1], pointers[2]}) == 3  # held ones are never reused
+    logits = torch.randn(3, VOCAB)
+    write_rows([({TAG: "raw"}, 1)], logits)
+    raw = taken_rows()["raw"]
+    expected = logits[1].clone()
+    logits.mul_(2.0)
+    assert torch.equal(raw, expected)

@@ -391,3 +391,128 @@ async def test_a_chunk_vllm_ends_early_fails_only_its_request(engine, monkeypatc
     assert stats.tokens_computed == 4 + 3 + len(contexts[3]), stats
     seen += list(zip(map(tuple, again), rows, strict=True))
     check_rows(engine, seen)
+
+
+# ---- resident requests (issue 58): the shapes a program's step can take -----------------------------
+
+
+def added_requests(monkeypatch: pytest.MonkeyPatch, core) -> list[str]:
+    """The request ids added to the engine from now on (new contexts, forks, re-runs)."""
+    added: list[str] = []
+    add_chunk = core.add_chunk
+
+    def counting(request_id, *args, **kwargs):
+        added.append(request_id)
+        return add_chunk(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(core, "add_chunk", counting)
+    return added
+
+
+def run_step(engine, contexts, seen) -> list[torch.Tensor]:
+    rows = engine.batch_next_token_logprobs_sync([list(c) for c in contexts])
+    seen += list(zip(map(tuple, contexts), rows, strict=True))
+    return rows
+
+
+def test_a_particle_that_skips_a_step_stays_a_running_request(engine, monkeypatch):
+    """A particle left out of a step keeps its request paused through an engine step it is not in
+    (holding the token vLLM sampled); one token later it continues in place: nothing is added, and its
+    row is its context's."""
+    engine.clear_cache()
+    added = added_requests(monkeypatch, engine.driver.sessions.core)
+    particles = [(*range(1300, 1340), t) for t in range(4)]
+    seen: list = []
+    run_step(engine, particles, seen)
+    before = len(added)
+    run_step(engine, [(*p, 11) for p in particles[:3]], seen)  # the fourth skips this step
+    run_step(engine, [(*p, 11, 12) for p in particles[:3]] + [(*particles[3], 13)], seen)
+    run_step(engine, [(*p, 11, 12, 14) for p in particles[:3]] + [(*particles[3], 13, 15)], seen)
+    assert added[before:] == [], added[before:]
+    assert len(engine.driver.sessions.engine._residents) == 4
+    check_rows(engine, seen)
+
+
+def test_forks_of_a_fork_and_a_context_two_tokens_ahead_in_one_step(engine, monkeypatch):
+    """One step holds three children of a fork made the step before (one continues the fork's request,
+    two are forks of it) and a context two tokens past its particle's (its request runs again under the
+    same id); the step after, all four continue in place. Every row is its context's."""
+    engine.clear_cache()
+    sessions = engine.driver.sessions
+    added = added_requests(monkeypatch, sessions.core)
+    base = tuple(range(1400, 1445))
+    seen: list = []
+    run_step(engine, [base], seen)
+    a, b = (*base, 1), (*base, 2)
+    run_step(engine, [a, b], seen)  # b is a fork of base's request
+    before = len(added)
+    step = [(*b, 3), (*b, 4), (*b, 5), (*a, 6, 7)]
+    run_step(engine, step, seen)
+    assert len(added) - before == 3, added[before:]  # two forks of the fork, one re-run
+    before = len(added)
+    run_step(engine, [(*c, 8) for c in step], seen)
+    assert added[before:] == [], added[before:]
+    check_rows(engine, seen)
+
+
+def test_a_particle_that_takes_eos_runs_on_like_any_other(engine, monkeypatch):
+    """Resident requests ignore EOS, vLLM's own sampled one and the program's: a program that keeps
+    going past an EOS token (a multi-sentence particle, or one that asks what follows) continues the
+    same request, and every row is its context's."""
+    engine.clear_cache()
+    added = added_requests(monkeypatch, engine.driver.sessions.core)
+    eos = engine.tokenizer.eos_token_id
+    assert eos is not None
+    context: tuple[int, ...] = tuple(range(1500, 1530))
+    seen: list = []
+    for token in (eos, 17, eos, eos, 18):
+        context = (*context, token)
+        run_step(engine, [context], seen)
+    assert len(added) == 1, added  # the first context only
+    check_rows(engine, seen)
+
+
+def test_a_particle_reaching_max_model_len_gets_each_row_then_a_clear_error(engine, monkeypatch):
+    """A resident request may run to the engine's max_model_len: every row of a context shorter than that
+    is its own (the last one ends vLLM's request); a context of max_model_len tokens has no next-token row
+    in this engine, and asking for it fails that request alone with an error that says so."""
+    engine.clear_cache()
+    limit = engine.driver.sessions.core.max_model_len
+    added = added_requests(monkeypatch, engine.driver.sessions.core)
+    rng = random.Random(5)
+    context = tuple(rng.randrange(100, 5000) for _ in range(limit - 4))
+    seen: list = []
+    for _ in range(3):
+        context = (*context, rng.randrange(100, 5000))
+        run_step(engine, [context, context[:40]], seen)  # a short particle beside it
+    assert len(context) == limit - 1 and len(added) == 2, (len(context), added)
+    too_long = [*context, 7]
+    with pytest.raises(ValueError, match=str(limit)):
+        engine.next_token_logprobs_sync(too_long)
+    seen += [((*context[:40], 9), engine.next_token_logprobs_sync([*context[:40], 9]))]
+    check_rows(engine, seen)
+
+
+def test_residents_make_room_when_the_kv_budget_fills(engine, monkeypatch):
+    """When the particles' contexts outgrow the engine's KV budget, live sequences keep what fits (the
+    rest are released, aborted in vLLM, or never kept) and compute the others again from vLLM's prefix
+    cache: what stays live always fits, vLLM holds no request beyond those, and no row is ever wrong."""
+    engine.clear_cache()
+    sessions = engine.driver.sessions
+    monkeypatch.setattr(sessions.engine, "kv_budget", 6 * 64)  # six contexts of about 60 tokens
+    stats = sessions.stats
+    stats.__init__()
+    rng = random.Random(9)
+    particles = [tuple(rng.randrange(100, 5000) for _ in range(50)) for _ in range(4)]
+    seen: list = []
+    for step in range(12):
+        if step % 4 == 3:  # new particles arrive while the old ones grow
+            particles += [tuple(rng.randrange(100, 5000) for _ in range(50))]
+        run_step(engine, particles, seen)
+        particles = [(*p, rng.randrange(100, 5000)) for p in particles]
+        live = list(sessions.live.sequences())
+        assert sessions.engine.room(len(live), sum(len(key.token_ids) for key, _ in live)), step
+        llm = engine.driver.engine.llm_engine.engine_core.engine_core
+        assert set(llm.scheduler.requests) <= {seq for _, seq in live}
+    assert stats.fresh > 5 + stats.evicted, stats  # contexts the budget could not keep live ran again
+    check_rows(engine, seen)

@@ -1072,4 +1072,27 @@ INTERFACES: tuple[Interface, ...] = (
     Interface("distributed/device_communicators/shm_broadcast.py", "SpinCondition.wait", ("timeout_ms",)),
     Interface("distributed/parallel_state.py", "get_tp_group"),
     Interface("distributed/parallel_state.py", "get_pp_group"),
+    # resident requests (ResidentCore): the in-process core, its scheduler and the V1 runner's batch
+    Interface("v1/engine/core_client.py", "InprocClient", attributes=("engine_core",)),
+    Interface("v1/engine/core.py", "EngineCore", attributes=("scheduler", "model_executor", "batch_queue")),
+    Interface("v1/executor/uniproc_executor.py", "UniProcExecutor", attributes=("driver_worker",)),
+    Interface("v1/worker/worker_base.py", "WorkerWrapperBase", attributes=("worker",)),
+    Interface("v1/worker/gpu_worker.py", "Worker", attributes=("model_runner",)),
+    Interface(
+        "v1/worker/gpu_model_runner.py",
+        "GPUModelRunner",
+        attributes=("requests", "input_batch", "use_async_scheduling", "speculative_config"),
+    ),
+    Interface("v1/worker/gpu_input_batch.py", "InputBatch", attributes=("token_ids_cpu", "req_id_to_index")),
+    Interface(
+        "v1/worker/gpu_input_batch.py",
+        "CachedRequestState",
+        attributes=("output_token_ids", "sampling_params", "num_tokens"),
+    ),
+    Interface("v1/core/sched/scheduler.py", "Scheduler", attributes=("running", "requests")),
+    Interface(
+        "v1/request.py",
+        "Request",
+        attributes=("_output_token_ids", "_all_token_ids", "num_prompt_tokens", "num_tokens", "is_finished"),
+    ),
 )
