@@ -12,6 +12,10 @@ For each case (vocabulary, N particles, prompt of P tokens, T steps) these are t
 
 - **vLLM's own step**: ``LLM.generate(n=N, max_tokens=T, ignore_eos=True)`` of the prompt, less the
   same with ``max_tokens=1`` (the prefill), over ``T - 1``: one decode step of N sequences;
+- **vLLM greedy**: the same of N requests at ``temperature=0`` (vLLM's cheapest sampler: an argmax, where
+  its random sampler draws an exponential variate per id of ``[N, V]``, which on this CPU costs what the
+  forward does not, and on a GPU next to nothing): the stricter floor, as our resident requests are
+  greedy requests whose sampled token the program's replaces;
 - **genlm's step call**: ``batch_next_token_logprobs`` over the N particles' context handles, inside
 - **the whole SMC step**: the step call, :func:`genlm_core.proposal.masked_proposal` under a lipogram
   mask (no token with an "e"; EOS outside the mask, so every particle runs all T steps: N x T tokens,
@@ -124,18 +128,18 @@ def instrument(lm: Any) -> None:
         capture.write_rows = timed("write_rows", capture.write_rows, written)
         capture.write_rows.timed = True  # type: ignore[attr-defined]
 
-    if hasattr(sessions.as_block, "timed"):
+    if hasattr(sessions.rows_block, "timed"):
         return
-    block = sessions.as_block
+    block = sessions.rows_block
 
-    def as_block(rows: Any) -> torch.Tensor:
+    def rows_block(rows: Any) -> torch.Tensor:
         out = block(rows)
         if SPLIT.on and out.data_ptr() != rows[0].data_ptr():
             SPLIT.bytes["stacked"] += out.numel() * out.element_size()
         return out
 
-    as_block.timed = True  # type: ignore[attr-defined]
-    sessions.as_block = as_block
+    rows_block.timed = True  # type: ignore[attr-defined]
+    sessions.rows_block = rows_block
 
 
 def start(vocab: str, n: int, max_len: int) -> Any:
@@ -176,27 +180,34 @@ def reset(lm: Any) -> None:
     gc.collect()
 
 
-def vllm_decode(lm: Any, prompt: list[int], n: int, steps: int) -> float:
+def vllm_decode(lm: Any, prompt: list[int], n: int, steps: int, greedy: bool = False) -> float:
+    """Seconds for vLLM's own ``generate`` of ``n`` sequences of ``steps`` tokens from ``prompt``:
+    sampled (``n=N``, unseeded: a seed sends vLLM's sampler down its slower per-request path), or
+    greedy (N requests of ``n=1``: vLLM's greedy sampling takes one sequence per request)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    # unseeded: a seed sends vLLM's sampler down its slower per-request path
-    params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False)
+    if greedy:
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=prompt) for _ in range(n)]
+    else:
+        params = SamplingParams(n=n, max_tokens=steps, ignore_eos=True, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=prompt)]
     reset(lm)
     t0 = time.perf_counter()
-    lm.driver.engine.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    lm.driver.engine.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - t0
 
 
-def vllm_step(lm: Any, prompt: list[int], n: int, steps: int) -> tuple[float, Split]:
+def vllm_step(lm: Any, prompt: list[int], n: int, steps: int, greedy: bool = False) -> tuple[float, Split]:
     """One decode step of vLLM's own ``generate`` (T tokens less the prefill, over T - 1), and its split
     (the T-token run's, less the prefill run's, over T - 1)."""
     global SPLIT
     SPLIT = Split(on=True)
-    prefill = vllm_decode(lm, prompt, n, 1)
+    prefill = vllm_decode(lm, prompt, n, 1, greedy)
     first = SPLIT
     SPLIT = Split(on=True)
-    whole = vllm_decode(lm, prompt, n, steps)
+    whole = vllm_decode(lm, prompt, n, steps, greedy)
     split, SPLIT = SPLIT, Split()
     for name in list(split.seconds):
         split.seconds[name] = (split.seconds[name] - first.seconds.get(name, 0.0)) / (steps - 1)
@@ -303,10 +314,11 @@ def split_cells(split: Split, per: float, call: float, n: int = 0) -> list[str]:
 def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int) -> tuple[list[str], list[str]]:
     prompt = prompt_of(lm, prompt_len)
     mask = lipogram(lm)
-    vllm_steps, calls, smcs, particles = [], [], [], []
+    vllm_steps, greedy_steps, calls, smcs, particles = [], [], [], [], []
     runs: list[Run] = []
     engine_split = None
     vllm_decode(lm, prompt, n, 4)  # warm-up, not timed: first calls, allocator, compiled paths
+    vllm_decode(lm, prompt, n, 4, greedy=True)
     reset(lm)
     # a whole run: the rows' host blocks are made once and reused from then on, as in a long program
     asyncio.run(smc_run(lm, prompt, n, steps, mask))
@@ -315,6 +327,7 @@ def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int)
         step, split = vllm_step(lm, prompt, n, steps)
         vllm_steps.append(step)
         engine_split = engine_split or split
+        greedy_steps.append(vllm_step(lm, prompt, n, steps, greedy=True)[0])
         reset(lm)
         run = asyncio.run(smc_run(lm, prompt, n, steps, mask))
         calls.append(run.step_call)
@@ -323,7 +336,8 @@ def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int)
         reset(lm)
         particles.append(asyncio.run(particle_run(lm, prompt, n, steps)))
         print(
-            f"  {vocab} N={n} P={prompt_len} round {r + 1}: vLLM {ms(step)}, step call {ms(run.step_call)}, "
+            f"  {vocab} N={n} P={prompt_len} round {r + 1}: vLLM {ms(step)} (greedy {ms(greedy_steps[-1])}), "
+            f"step call {ms(run.step_call)}, "
             f"SMC {ms(run.smc_step)}, per-particle {ms(particles[-1])}",
             file=sys.stderr,
             flush=True,
@@ -334,10 +348,13 @@ def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int)
     summary = [
         case,
         ms(statistics.median(vllm_steps)),
+        ms(statistics.median(greedy_steps)),
         ms(statistics.median(calls)),
         ratio_cell(calls, vllm_steps),
         ratio_cell(smcs, vllm_steps),
         ratio_cell(particles, vllm_steps),
+        ratio_cell(calls, greedy_steps),
+        ratio_cell(smcs, greedy_steps),
     ]
     written = mid.split.bytes.get("write_rows", 0) / per
     stacked = mid.split.bytes.get("stacked", 0) / per
@@ -386,10 +403,13 @@ def main() -> None:
             [
                 "case",
                 "vLLM's own step",
+                "vLLM greedy",
                 "genlm's step call",
                 "step call / vLLM",
                 "SMC step / vLLM",
                 "per-particle / vLLM",
+                "step call / greedy",
+                "SMC step / greedy",
             ],
             summary,
         )

@@ -200,10 +200,9 @@ class AsyncLM(abc.ABC):
         """
         self.ensure_open()
         request = self.contexts.request(token_ids, self.adapter_for(lora_name))
-        if self.context_limit is not None and len(request.token_ids) > self.context_limit:
+        if self.context_limit is not None and len(request) > self.context_limit:  # len: no tuple made
             raise ValueError(
-                f"token_ids has {len(request.token_ids)} tokens, more than this model's limit of "
-                f"{self.context_limit} positions"
+                f"token_ids has {len(request)} tokens, more than this model's limit of {self.context_limit} positions"
             )
         return request
 
@@ -281,7 +280,7 @@ class AsyncLM(abc.ABC):
             todo = requests if len(missing) == len(requests) else [requests[i] for i in missing]
             for i, row in zip(missing, await self.batcher.submit_many(todo, todo), strict=True):
                 rows[i] = row
-        return rows_block(rows)  # type: ignore[arg-type]
+        return rows_block(rows, self.row_memory)  # type: ignore[arg-type]
 
     def batch_next_token_logprobs_sync(
         self, token_ids_list: Iterable[TokenIds], lora_name: str | None = None
@@ -338,7 +337,7 @@ class AsyncLM(abc.ABC):
     def _stack(self, rows: list[torch.Tensor]) -> torch.Tensor:
         if not rows:
             return torch.empty((0, self.vocab_size), dtype=torch.float32)
-        return torch.stack(rows)
+        return rows_block(rows, self.row_memory)
 
     def compute_rows(self, requests: list[Request]) -> list[torch.Tensor | Failed]:
         """Run :meth:`forward_batch` on distinct, validated requests (from :meth:`request`), under

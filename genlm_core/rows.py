@@ -118,21 +118,43 @@ class RowMemory:
         self._blocks.clear()
 
 
-def rows_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``rows`` (1-D, of one length) as one ``[len(rows), V]`` tensor: a view when they are
-    consecutive rows of one block (a batch computed together, in order), else a stacked copy."""
+def rows_block(rows: Sequence[torch.Tensor], memory: RowMemory | None = None) -> torch.Tensor:
+    """``rows`` (1-D, of one length) as one ``[len(rows), V]`` tensor: a view when they are rows,
+    evenly spaced and in order, of one storage (a batch computed together), else a copy, written
+    into a block of ``memory`` where given (host float32 rows: no page faults for a step's copy,
+    as when a resampled batch names one row twice)."""
     if not rows:
         raise ValueError("rows_block needs at least one row")
+    view = _as_view(rows)
+    if view is not None:
+        return view
     first = rows[0]
-    base = first._base
-    if base is not None and first.dim() == 1 and first.stride() == (1,):
-        offsets = [row.storage_offset() for row in rows]
-        step = offsets[1] - offsets[0] if len(rows) > 1 else first.shape[0]
+    out = None
+    if memory is not None and first.dtype == torch.float32 and first.dim() == 1:
+        out = memory.take(len(rows), first.shape[0], first.device)
+    return torch.stack(list(rows)) if out is None else torch.stack(list(rows), out=out)
+
+
+def _as_view(rows: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The rows as one strided view of their storage, or None where they are not evenly spaced rows
+    of one storage in order (of one shape, dtype and device, each contiguous)."""
+    first = rows[0]
+    if first.dim() != 1 or first.stride(0) != 1:
+        return None
+    size = first.element_size()
+    gap = first.shape[0] * size if len(rows) == 1 else rows[1].data_ptr() - first.data_ptr()
+    if gap % size or gap // size < first.shape[0]:
+        return None
+    ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
+    for i, row in enumerate(rows):
         if (
-            step >= first.shape[0]
-            and all(row._base is base for row in rows)
-            and offsets == list(range(offsets[0], offsets[0] + step * len(rows), step))
-            and all(row.shape == first.shape and row.stride() == (1,) for row in rows)
+            row.dim() != 1
+            or row.shape != first.shape
+            or row.stride(0) != 1
+            or row.dtype != first.dtype
+            or row.device != first.device
+            or row.data_ptr() != ptr + i * gap
+            or row.untyped_storage().data_ptr() != storage
         ):
-            return first.as_strided((len(rows), first.shape[0]), (step, 1), offsets[0])
-    return torch.stack(list(rows))
+            return None
+    return first.as_strided((len(rows), first.shape[0]), (gap // size, 1))

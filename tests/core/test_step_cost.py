@@ -16,7 +16,7 @@ import torch
 
 from genlm_core import OutputCache, Request
 from genlm_core.request import HASH_SAMPLE, ContextChecker, context_hash
-from genlm_core.rows import RowMemory, nan_rows, normalise, storage_users
+from genlm_core.rows import RowMemory, nan_rows, normalise, rows_block, storage_users
 from genlm_core.testing import bounds
 
 from .helpers import BigramLM
@@ -196,6 +196,48 @@ def test_the_model_reuses_row_memory_once_the_cache_lets_rows_go(toy_tok):
     lm.cleanup()
     assert not lm.row_memory._blocks  # cleanup lets go of every block
     assert torch.equal(kept, before)  # a row the caller holds stays as it was
+
+
+def test_rows_that_are_consecutive_rows_of_one_storage_are_a_view_and_others_a_copy():
+    block = torch.randn(6, 10)
+    whole = rows_block(list(block))
+    assert whole.data_ptr() == block.data_ptr() and torch.equal(whole, block)
+    part = rows_block([block[2], block[3], block[4]])
+    assert part.data_ptr() == block[2].data_ptr() and torch.equal(part, block[2:5])
+    wide = torch.randn(4, 12)[:, :10]  # rows of a wider block: strided, still no copy
+    assert rows_block(list(wide)).data_ptr() == wide.data_ptr() and torch.equal(rows_block(list(wide)), wide)
+    memory = RowMemory()
+    for rows in (
+        [block[0], block[2]],  # evenly spaced: a view with a longer stride
+        [block[3], block[2]],
+        [block[1], block[1], block[4]],  # a row named twice (a resampled batch)
+        [block[0], torch.randn(10)],
+        [block[1, :5], block[2, :5]],
+    ):
+        for mem in (None, memory):
+            out = rows_block(rows, mem)
+            assert torch.equal(out, torch.stack(rows))
+    shuffled = [block[i] for i in (0, 1, 3)]
+    assert rows_block(shuffled).data_ptr() != block.data_ptr()  # not evenly spaced: copied
+
+
+def test_a_batch_naming_a_context_twice_is_copied_into_reused_memory_and_a_held_result_is_kept(toy_tok):
+    lm = BigramLM(toy_tok, batch_size=8, cache_size=64)
+    ref = BigramLM(toy_tok, batch_size=1, cache_size=0)  # one context per forward, nothing cached
+    held = []
+    for step in range(30):
+        contexts = [[1, step % 40, j] for j in (0, 0, 3, 1, 1, 1)]  # duplicates, as after resampling
+        if step % 2:
+            out = lm.batch_next_token_logprobs_sync(contexts)
+        else:
+            out = asyncio.run(lm.batch_next_token_logprobs(contexts))
+        want = torch.stack([ref.next_token_logprobs_sync(c) for c in contexts])
+        assert torch.equal(out, want)
+        if step % 5 == 0:
+            held.append((out, want))
+    assert lm.row_memory.reused > 0
+    for out, want in held:  # a block the caller kept is never handed out again
+        assert torch.equal(out, want)
 
 
 # ---- the cache counts the memory it keeps --------------------------------------------------------

@@ -238,6 +238,25 @@ def test_v2_capture_checks_the_context_on_the_device(request_state):
     assert list(got) == ["a"] and got["a"].equal(logits[0])
 
 
+def test_the_engine_reads_a_context_held_as_prompt_and_output_as_the_caller_fingerprints_it():
+    """For every split of a context into prompt and output ids (a resident request's output grows
+    one id a step; a fork's prompt is its whole context), the capture's check agrees with the
+    caller's fingerprint, and a context differing in its length or in any of its last ids fails it."""
+    rng = random.Random(3)
+    for length in [*range(1, 70), 127, 128, 129, 2000, 4097]:
+        ids = [rng.randrange(VOCAB) for _ in range(length)]
+        expected = {CONTEXT: context_fingerprint(tuple(ids)), TAG: "t"}
+        picked = rng.sample(range(1, length + 1), min(3, length))
+        for first in sorted({1, length // 2, max(1, length - 1), length, *picked}):
+            assert capture._context_matches(expected, ids[:first], ids[first:])
+        assert not capture._context_matches(expected, ids[: length - 1], [])  # one id short
+        assert not capture._context_matches(expected, ids, [0])  # one id more
+        for back in range(1, min(8, length) + 1):
+            other = list(ids)
+            other[-back] = (other[-back] + 1) % VOCAB
+            assert not capture._context_matches(expected, other[: length // 2], other[length // 2 :])
+
+
 # ---- V1 ----------------------------------------------------------------------------------------
 
 

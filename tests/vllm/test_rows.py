@@ -459,20 +459,3 @@ def test_cpu_lora_kernel_gives_no_adapter_tokens_no_delta():
     one = bounds.sum_error(9, 0.5 * (weights[0, 0].abs() @ x[1].abs()).max().item(), probabilistic=False)
     tol = bounds.Bound(2 * one, f"2 x {one.basis}")
     bounds.within("vllm: bgmv_shrink vs matmul", (out[1] - want).abs().max().item(), tol)
-
-
-def test_rows_that_are_consecutive_rows_of_one_block_are_stacked_without_a_copy():
-    from genlm_vllm.rows import as_block
-
-    block = torch.randn(6, 10)
-    whole = as_block(list(block))
-    assert whole.data_ptr() == block.data_ptr() and torch.equal(whole, block)
-    part = as_block([block[2], block[3], block[4]])
-    assert part.data_ptr() == block[2].data_ptr() and torch.equal(part, block[2:5])
-    wide = torch.randn(4, 12)[:, :10]  # rows of a wider block: strided, still no copy
-    assert torch.equal(as_block(list(wide)), wide) and as_block(list(wide)).data_ptr() == wide.data_ptr()
-    for rows in ([block[0], block[2]], [block[3], block[2]], [block[0], torch.randn(10)], [block[1, :5], block[2, :5]]):
-        out = as_block(rows)
-        assert torch.equal(out, torch.stack(rows))
-    shuffled = [block[i] for i in (0, 1, 3)]
-    assert as_block(shuffled).data_ptr() != block.data_ptr()  # not consecutive: copied

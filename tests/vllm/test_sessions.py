@@ -171,14 +171,14 @@ def test_a_resampled_steps_rows_come_back_as_one_block_without_a_copy(engine, mo
     engine.batch_next_token_logprobs_sync([list(base)])
     engine.batch_next_token_logprobs_sync([list(p) for p in parents])
     copies: list[bool] = []
-    as_block = sessions.as_block
+    rows_block = sessions.rows_block
 
     def watched(rows):
-        out = as_block(rows)
+        out = rows_block(rows)
         copies.append(out.data_ptr() != rows[0].data_ptr())
         return out
 
-    monkeypatch.setattr(sessions, "as_block", watched)
+    monkeypatch.setattr(sessions, "rows_block", watched)
     seen = []
     for step in range(3):  # children of a resampled population: duplicated, reordered parents
         children = [(*parents[i], 50 + step) for i in (5, 5, 0, 2, 2, 1)]

@@ -64,6 +64,7 @@ from genlm_vllm.wire import (
     Segment,
     fingerprint,
     fingerprint_positions,
+    split_positions,
     worker_nap,
 )
 
@@ -283,7 +284,8 @@ def _context_matches(args: dict[str, Any], prompt: list[int], output_ids: list[i
     if expected is None:
         return True
     n, length = len(prompt), len(prompt) + len(output_ids)
-    sample = [prompt[i] if i < n else output_ids[i - n] for i in fingerprint_positions(length)]
+    in_prompt, in_output = split_positions(length, n)
+    sample = [prompt[i] for i in in_prompt] + [output_ids[i] for i in in_output]
     if fingerprint(length, sample) == list(expected):
         return True
     log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from genlm_core import Request
+from genlm_core.rows import rows_block
 from genlm_vllm import mailbox
 from genlm_vllm.layout import Layout
 from genlm_vllm.shm_files import FILE_PREFIX, SHM_DIR, remove_files, remove_files_of_dead_processes
@@ -264,28 +265,4 @@ def stack(rows: Sequence[torch.Tensor | None], requests: Sequence[Request]) -> t
             f"vLLM returned no logits for {len(missing)} of {len(rows)} requests (the first: a context of "
             f"{len(first)} tokens ending {list(first[-5:])})"
         )
-    return as_block(rows)  # type: ignore[arg-type]
-
-
-def as_block(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(rows)``, without a copy where the rows already are consecutive rows of one block
-    (as :meth:`SharedMemoryRows.collect` returns them)."""
-    first = rows[0]
-    if first.dim() == 1 and first.stride(0) == 1:
-        step = first.shape[0] if len(rows) == 1 else rows[1].data_ptr() - first.data_ptr()
-        size = first.element_size()
-        if step % size == 0 and step // size >= first.shape[0]:
-            stride = step // size
-            ptr, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-            if all(
-                r.dim() == 1
-                and r.shape == first.shape
-                and r.stride(0) == 1
-                and r.dtype == first.dtype
-                and r.device == first.device
-                and r.data_ptr() == ptr + i * step
-                and r.untyped_storage().data_ptr() == storage
-                for i, r in enumerate(rows)
-            ):
-                return first.as_strided((len(rows), first.shape[0]), (stride, 1))
-    return torch.stack(list(rows))
+    return rows_block(rows)  # type: ignore[arg-type]

@@ -33,8 +33,9 @@ import torch
 
 from genlm_core import Request
 from genlm_core.live import LiveEngine, LiveOptions, LiveSequences, LiveStats, Piece, Ran
+from genlm_core.rows import rows_block
 from genlm_vllm.options import MAX_IDLE_BATCHES
-from genlm_vllm.rows import RowChannel, as_block
+from genlm_vllm.rows import RowChannel
 from genlm_vllm.vllm_api import EngineCore, ResidentCore, SamplingParams, prefill_counts
 from genlm_vllm.wire import AT, CONNECTOR, CONTEXT, FORK, context_fingerprint
 
@@ -207,7 +208,7 @@ def _block(
                 f"ending {list(context.take(range(max(0, len(context) - 5), len(context))))})"
             )
     if not failed:
-        return as_block(rows), failed  # type: ignore[arg-type]
+        return rows_block(rows), failed  # type: ignore[arg-type]
     good = next((row for i, row in enumerate(rows) if row is not None and i not in failed), None)
     if good is None:
         return torch.full((len(rows), 0), float("nan")), failed
