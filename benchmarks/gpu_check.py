@@ -806,7 +806,12 @@ def part_vllm_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
     started = time.perf_counter() - t0
     facts = vllm_api.engine_facts(vllm_api.engine_config(lm.driver.engine))
     part.note(f"{SHAPE_NAMES[shape]} (dummy bf16 weights): engine up in {started:.0f} s: {facts.describe()}")
-    part.numbers["engine"] = {"start_s": started, "facts": facts.describe()}
+    sessions = getattr(lm.driver, "sessions", None)
+    resident = sessions is not None and sessions.engine.resident is not None
+    why = "" if resident else vllm_api.ResidentCore.of(lm.driver.engine)[1] if sessions is not None else "no sessions"
+    path = "running vLLM requests" if resident else f"resumable sessions ({why})"
+    part.note(f"particles continue as {path}")
+    part.numbers["engine"] = {"start_s": started, "facts": facts.describe(), "particles_as": path}
     engine = bench_smc.Engine(lm, "vllm")
     lipogram = token_mask(lm, b"e", None, set())
     everything = torch.ones(len(lm.byte_vocab), dtype=torch.bool)

@@ -9,10 +9,12 @@ model conditioned on the constraint. When the effective sample size falls below
 weight goes into the estimate of log Z, the log-probability that the model satisfies the
 constraint. Each particle holds its context as a :class:`~genlm_core.Context` handle (``lm.context``,
 then ``extend`` by a token: no copy, and genlm never reads the whole context again; resampled
-particles share their parent's). Every particle awaits its own ``next_token_logprobs`` call;
-``asyncio.gather`` issues them concurrently and genlm batches them (the program contains no batching
-code); the step's rows are then masked and sampled in one pass by
-:func:`genlm_core.proposal.masked_proposal`.
+particles share their parent's). A step is one ``batch_next_token_logprobs`` call over the live
+particles' handles (one submission: genlm computes each distinct context once, on a live engine
+continuing each particle's sequence by its new token), whose ``[N, V]`` rows are masked and sampled in
+one pass by :func:`genlm_core.proposal.masked_proposal`. The same program written per particle (each
+awaits its own ``next_token_logprobs``, under ``asyncio.gather``) gets the same rows, batched too,
+for a Python await per particle per step (``docs/live.md``, *What a step costs*).
 
     python examples/smc.py                       # offline default: SmolLM2-135M on the hf backend
     python examples/smc.py --backend mock --model gpt2
@@ -75,8 +77,8 @@ def ess(log_weights: torch.Tensor) -> float:
 
 async def step(lm: AsyncLM, live: list[Particle], mask: torch.Tensor, eos_ids: set[int], gen: torch.Generator) -> None:
     """Extend each live particle by one token from the masked proposal and update its weight."""
-    rows = await asyncio.gather(*(lm.next_token_logprobs(p.token_ids) for p in live))
-    proposal = masked_proposal(torch.stack(rows), mask, generator=gen)
+    rows = await lm.batch_next_token_logprobs([p.token_ids for p in live])  # the whole step in one call
+    proposal = masked_proposal(rows, mask, generator=gen)
     for p, token, log_kept in zip(live, proposal.tokens.tolist(), proposal.log_kept.tolist()):
         p.log_weight += log_kept  # the incremental importance weight
         p.token_ids = p.token_ids.extend(token)

@@ -34,6 +34,9 @@ class SmallLM:
     async def next_token_logprobs(self, ids: list[int]) -> torch.Tensor:
         return self.row(ids)
 
+    async def batch_next_token_logprobs(self, contexts: list[list[int]]) -> torch.Tensor:
+        return torch.stack([self.row(list(ids)) for ids in contexts])
+
     def context(self, ids: list[int]) -> Context:
         return Context(ids, VOCAB)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -143,6 +144,53 @@ def test_an_engine_collected_after_the_next_one_started_leaves_it_working(
         third.cleanup()
 
 
+def mixed_particles_continue_exactly(lm: Any, path: str, adapter_dir: Any, ctx: list[int]) -> None:
+    """Two particles per step in one batch, one under the base model and one under adapter ``a``, for
+    four steps: the base one continues as a running vLLM request, the adapted one as a session (running
+    requests take no adapter). Each row against the HF model (base) or the PEFT model (adapter) in
+    float64, within the float32 error of either model on those contexts (measured, times four)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    steps = 4
+    base_contexts = [[*ctx, *range(10, 10 + k)] for k in range(steps)]
+    lora_contexts = [[*ctx, *range(20, 20 + k)] for k in range(steps)]
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        adapted = {
+            dtype: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), adapter_dir)
+            for dtype in (torch.float32, torch.float64)
+        }
+
+        def row(model: Any, context: list[int]) -> torch.Tensor:
+            return torch.log_softmax(model(torch.tensor([context])).logits[0, -1].double(), -1)
+
+        want_base = [row(plain, c) for c in base_contexts]
+        want_lora = [row(adapted[torch.float64], c) for c in lora_contexts]
+        lora32 = [row(adapted[torch.float32], c) for c in lora_contexts]
+    measured = max(bounds.float32_error(path, base_contexts), max_diff(lora32, want_lora))
+    tol = bounds.model_difference(measured, what="the base and the adapted model")
+    lm.clear_cache()
+    sessions = lm.driver.sessions
+    assert sessions.engine.resident is not None  # the in-process engine: running requests for the base model
+
+    async def both(k: int) -> list[torch.Tensor]:
+        return list(
+            await asyncio.gather(
+                lm.next_token_logprobs(base_contexts[k]), lm.next_token_logprobs(lora_contexts[k], lora_name="a")
+            )
+        )
+
+    before = sessions.stats.continued
+    for k in range(steps):
+        got = asyncio.run(both(k))
+        bounds.within(f"vllm lora: mixed step {k}", max_diff(got, [want_base[k], want_lora[k]]), tol)
+        live = {seq: request for request, seq in sessions.live.sequences()}
+        running = [live[seq].token_ids for seq in live if seq in sessions.engine._residents]
+        assert running == [tuple(base_contexts[k])], running  # the base particle's request, kept running
+    assert sessions.stats.continued - before == 2 * (steps - 1), sessions.stats  # both particles continued
+
+
 @pytest.mark.slow
 @pytest.mark.layouts
 def test_lora_per_request_matches_peft(path, tmp_path, engine_opts, alone):
@@ -195,6 +243,7 @@ def test_lora_per_request_matches_peft(path, tmp_path, engine_opts, alone):
 
         lm.clear_cache()
         bounds.within("vllm lora: one batch of both", max_diff(asyncio.run(one_batch()), [want_base, want_lora]), tol)
+        mixed_particles_continue_exactly(lm, path, tmp_path, ctx)
         lm.add_new_lora(str(tmp_path), "c")  # genlm-backend's names: per-request lora_name, then remove
         bounds.within(
             "vllm lora: adapter c", max_diff([lm.next_token_logprobs_sync(ctx, lora_name="c")], [want_lora]), tol

@@ -126,26 +126,33 @@ def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -
 
 def _rows_of(logits: torch.Tensor, index: list[int], width: int | None) -> torch.Tensor:
     """``logits[index]`` as a new float32 block, log-normalised over its first ``width`` columns
-    (None: raw). On the host the block and the gather's scratch come from :data:`_memory`: memory
-    used before, so a step's rows cost no page faults (on this kind of machine a fresh 4 MiB block
-    of rows took 2 to 40 ms in the kernel); a consecutive run of rows is read in place, not gathered."""
-    n, start = len(index), index[0]
-    cpu_float = logits.dtype == torch.float32
-    if index == list(range(start, start + n)):
-        picked = logits[start : start + n]
-        copied = False
-    else:
-        where = torch.tensor(index, device=logits.device)
-        scratch = _memory.take(n, logits.shape[-1], logits.device) if cpu_float else None
-        picked = torch.index_select(logits, 0, where, out=scratch) if scratch is not None else logits[where]
-        copied = True
-    if width is not None:
-        width = min(width, logits.shape[-1])
-        return normalise(picked, width, out=_memory.take(n, width, logits.device))
-    if copied:
-        return picked.to(torch.float32)
-    out = _memory.take(n, logits.shape[-1], logits.device)
-    return picked.to(torch.float32) if out is None else out.copy_(picked)
+    (None: raw). On the host the block comes from :data:`_memory`, memory used before, so a step's rows
+    cost no page faults (on this kind of machine a fresh 4 MiB block of rows took 2 to 40 ms in the
+    kernel), and each run of consecutive rows is normalised (or copied) straight into its place: no
+    gathered copy of the step's logits first (a ``[256, 131072]`` gather costs most of a log-softmax)."""
+    n, columns = len(index), logits.shape[-1]
+    out = _memory.take(n, columns if width is None else min(width, columns), logits.device)
+    if out is None:  # on an accelerator: one gather, then one log-softmax
+        picked = logits[torch.tensor(index, device=logits.device)]
+        return picked.to(torch.float32) if width is None else normalise(picked, min(width, columns))
+    for at, start, length in _runs(index):
+        rows = logits[start : start + length]
+        if width is None:
+            out[at : at + length].copy_(rows)
+        else:
+            normalise(rows, out.shape[1], out=out[at : at + length])
+    return out
+
+
+def _runs(index: list[int]) -> list[tuple[int, int, int]]:
+    """``index`` as runs of consecutive values: (place in ``index``, first value, length) each."""
+    runs: list[tuple[int, int, int]] = []
+    at = 0
+    for k in range(1, len(index) + 1):
+        if k == len(index) or index[k] != index[k - 1] + 1:
+            runs.append((at, index[at], k - at))
+            at = k
+    return runs
 
 
 def _caller_order(pair: tuple[dict[str, Any], int]) -> tuple[str, int, int]:
