@@ -62,6 +62,11 @@ def normalise(
         x = x.to(torch.float32).index_fill(-1, missing_ids.to(x.device), float("-inf"))
     if out is None:
         return torch.log_softmax(x, dim=-1, dtype=torch.float32)
+    if not x.is_contiguous() and out.is_contiguous():
+        # padded columns dropped: log_softmax would copy the strided rows into fresh memory first (page
+        # faults: 157 ms against 57 for [256, 131072] here); copied into ``out``, normalised in place
+        out.copy_(x)
+        return torch.log_softmax(out, dim=-1, out=out)
     return torch.log_softmax(x, dim=-1, dtype=torch.float32, out=out)
 
 

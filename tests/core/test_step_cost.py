@@ -162,6 +162,17 @@ def test_normalise_into_memory_matches_float64_log_softmax():
     bounds.within("normalise vs float64 log_softmax", bounds.row_difference(got, ref), tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_normalise_of_padded_logits_into_memory_is_the_log_softmax_of_the_kept_columns(dtype):
+    """Columns past the vocabulary (a padded model vocabulary) make the rows strided: normalised into
+    ``out`` they equal, bit for bit, torch's log_softmax of a contiguous copy of the kept columns."""
+    logits = (torch.randn(7, 301, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)
+    out = torch.empty(7, 300)
+    got = normalise(logits, 300, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, torch.log_softmax(logits[:, :300].contiguous(), -1, dtype=torch.float32))
+
+
 def test_a_row_anyone_holds_is_never_written_again():
     memory = RowMemory(probe=4)
     held: list[tuple[torch.Tensor, torch.Tensor]] = []
