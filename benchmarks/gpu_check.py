@@ -807,9 +807,10 @@ def part_vllm_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
     facts = vllm_api.engine_facts(vllm_api.engine_config(lm.driver.engine))
     part.note(f"{SHAPE_NAMES[shape]} (dummy bf16 weights): engine up in {started:.0f} s: {facts.describe()}")
     sessions = getattr(lm.driver, "sessions", None)
-    resident = sessions is not None and sessions.engine.resident is not None
-    why = "" if resident else vllm_api.ResidentCore.of(lm.driver.engine)[1] if sessions is not None else "no sessions"
-    path = "running vLLM requests" if resident else f"resumable sessions ({why})"
+    if sessions is None:
+        path = "plain requests (no live sessions)"
+    else:
+        path = f"resumable sessions ({sessions.not_resident})" if sessions.not_resident else "running vLLM requests"
     part.note(f"particles continue as {path}")
     part.numbers["engine"] = {"start_s": started, "facts": facts.describe(), "particles_as": path}
     engine = bench_smc.Engine(lm, "vllm")

@@ -107,6 +107,7 @@ def test_continued_particles_stay_running_requests_and_only_forks_are_added(engi
     engine.clear_cache()
     sessions = engine.driver.sessions
     assert sessions.engine.resident is not None  # the in-process engine keeps particles as running requests
+    assert sessions.not_resident == ""
     core = sessions.core
     added: list[str] = []
     steps: list[int] = []

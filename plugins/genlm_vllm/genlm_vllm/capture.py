@@ -130,17 +130,18 @@ def _rows_of(logits: torch.Tensor, index: list[int], width: int | None) -> torch
     cost no page faults (on this kind of machine a fresh 4 MiB block of rows took 2 to 40 ms in the
     kernel), and each run of consecutive rows is normalised (or copied) straight into its place: no
     gathered copy of the step's logits first (a ``[256, 131072]`` gather costs most of a log-softmax)."""
-    n, columns = len(index), logits.shape[-1]
-    out = _memory.take(n, columns if width is None else min(width, columns), logits.device)
+    columns = logits.shape[-1]
+    kept = columns if width is None else min(width, columns)
+    out = _memory.take(len(index), kept, logits.device)
     if out is None:  # on an accelerator: one gather, then one log-softmax
         picked = logits[torch.tensor(index, device=logits.device)]
-        return picked.to(torch.float32) if width is None else normalise(picked, min(width, columns))
+        return picked.to(torch.float32) if width is None else normalise(picked, kept)
     for at, start, length in _runs(index):
         rows = logits[start : start + length]
         if width is None:
             out[at : at + length].copy_(rows)
         else:
-            normalise(rows, out.shape[1], out=out[at : at + length])
+            normalise(rows, kept, out=out[at : at + length])
     return out
 
 

@@ -227,11 +227,11 @@ class Sessions:
         options: LiveOptions | None = None,
         resident: bool = True,
     ):
-        core = None
-        if resident:
-            core, why = ResidentCore.of(llm)
-            if core is None:
-                log.info("genlm-vllm: particles continue as vLLM sessions, not running requests: %s", why)
+        core, why = ResidentCore.of(llm) if resident else (None, "resident_requests=False")
+        #: why particles are not running requests ("" where they are), as logged once here
+        self.not_resident = why
+        if core is None and resident:
+            log.info("genlm-vllm: particles continue as vLLM sessions, not running requests: %s", why)
         self.engine = SessionEngine(EngineCore.of(llm), rows, lora_of, core)
         self.core = self.engine.core
         self.live: LiveSequences[str, torch.Tensor] = LiveSequences(
