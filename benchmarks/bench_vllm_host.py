@@ -39,6 +39,7 @@ for timing (a benchmark reading internals, not the plugin).
 
     python benchmarks/bench_vllm_host.py                          # every case (long: N=1,024 x 131k)
     python benchmarks/bench_vllm_host.py --vocabs mistral-v1 --n 32,256 --prompts 24 --rounds 3
+    python benchmarks/bench_vllm_host.py --n 1024 --per-particle-rounds 1   # the per-particle program once
 """
 
 from __future__ import annotations
@@ -311,7 +312,9 @@ def split_cells(split: Split, per: float, call: float, n: int = 0) -> list[str]:
     ]
 
 
-def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int) -> tuple[list[str], list[str]]:
+def bench(
+    lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int, particle_rounds: int
+) -> tuple[list[str], list[str]]:
     prompt = prompt_of(lm, prompt_len)
     mask = lipogram(lm)
     vllm_steps, greedy_steps, calls, smcs, particles = [], [], [], [], []
@@ -333,12 +336,13 @@ def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int)
         calls.append(run.step_call)
         smcs.append(run.smc_step)
         runs.append(run)
-        reset(lm)
-        particles.append(asyncio.run(particle_run(lm, prompt, n, steps)))
+        if r < particle_rounds:
+            reset(lm)
+            particles.append(asyncio.run(particle_run(lm, prompt, n, steps)))
         print(
             f"  {vocab} N={n} P={prompt_len} round {r + 1}: vLLM {ms(step)} (greedy {ms(greedy_steps[-1])}), "
             f"step call {ms(run.step_call)}, "
-            f"SMC {ms(run.smc_step)}, per-particle {ms(particles[-1])}",
+            f"SMC {ms(run.smc_step)}, per-particle {ms(particles[-1]) if r < particle_rounds else '-'}",
             file=sys.stderr,
             flush=True,
         )
@@ -352,7 +356,7 @@ def bench(lm: Any, vocab: str, n: int, prompt_len: int, steps: int, rounds: int)
         ms(statistics.median(calls)),
         ratio_cell(calls, vllm_steps),
         ratio_cell(smcs, vllm_steps),
-        ratio_cell(particles, vllm_steps),
+        ratio_cell(particles, vllm_steps[: len(particles)]) if particles else "-",
         ratio_cell(calls, greedy_steps),
         ratio_cell(smcs, greedy_steps),
     ]
@@ -379,6 +383,12 @@ def main() -> None:
     ap.add_argument("--prompts", default="24,2000", help="prompt lengths in tokens")
     ap.add_argument("--steps", type=int, default=32, help="SMC steps T (and vLLM's max_tokens)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per case")
+    ap.add_argument(
+        "--per-particle-rounds",
+        type=int,
+        default=None,
+        help="rounds that also run the per-particle program (default: all; it is the slowest by far)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM's per-call log lines would bury the tables
     if args.steps < 2:
@@ -390,7 +400,8 @@ def main() -> None:
             lm = start(vocab, n, max(prompts) + args.steps + 64)
             try:
                 for p in prompts:
-                    s, c = bench(lm, vocab, n, p, args.steps, args.rounds)
+                    particle_rounds = args.rounds if args.per_particle_rounds is None else args.per_particle_rounds
+                    s, c = bench(lm, vocab, n, p, args.steps, args.rounds, particle_rounds)
                     summary.append(s)
                     counters += c
             finally:

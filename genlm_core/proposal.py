@@ -2,10 +2,11 @@
 
 Each particle's next token is drawn from its next-token distribution restricted to a mask, and its
 weight is multiplied by the probability mass the mask kept. :func:`masked_proposal` does this for
-``n`` rows in one pass on the device the rows live on: it masks, takes the log of the kept mass and
-draws by inverse CDF (one uniform per row), in two levels (a block of tokens by its mass, then a
-token inside it) so that no token of positive probability is lost to rounding, with float32 work
-over the rows and float64 sums only over blocks and one block per row.
+``n`` rows in one pass on the device the rows live on (on the CPU, a few rows at a time in one reused
+workspace: :data:`SCRATCH_BYTES`): it masks, takes the log of the kept mass and draws by inverse CDF
+(one uniform per row), in two levels (a block of tokens by its mass, then a token inside it) so that
+no token of positive probability is lost to rounding, with float32 work over the rows and float64
+sums only over blocks and one block per row.
 
 >>> import torch
 >>> rows = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
@@ -36,6 +37,10 @@ BLOCK = 256
 #: Rows whose kept mass in float32 falls below this are drawn again in float64 (their tokens could be
 #: near float32's underflow, e**-87: a mask that keeps only very unlikely tokens).
 FLOAT32_FLOOR = 2.0**-96
+#: On the CPU, rows are drawn this many bytes of float32 probabilities at a time, in one workspace that
+#: the allocator hands back warm each step, where a fresh ``[n, V]`` block costs its page faults (1,024 x
+#: 32k rows: 124 -> 53 ms on 2 cores). On an accelerator every row is drawn at once.
+SCRATCH_BYTES = 2**23
 
 
 def masked_proposal(
@@ -80,8 +85,35 @@ def masked_proposal(
     if uniforms.shape != (n,) or ((uniforms < 0) | (uniforms >= 1)).any():
         raise ValueError(f"need {n} uniforms in [0, 1), got {tuple(uniforms.shape)} values")
 
-    blocks = -(-vocab // BLOCK)
-    probs = torch.empty(n, blocks * BLOCK, dtype=torch.float32, device=rows.device)
+    tokens = torch.empty(n, dtype=torch.int64, device=rows.device)
+    kept = torch.empty(n, dtype=torch.float64, device=rows.device)
+    step = n if rows.device.type != "cpu" else max(1, SCRATCH_BYTES // (4 * vocab))
+    scratch = torch.empty(min(n, step), -(-vocab // BLOCK) * BLOCK, dtype=torch.float32, device=rows.device)
+    for first in range(0, n, step):
+        part = slice(first, min(n, first + step))
+        part_mask = mask if mask is None or mask.dim() == 1 else mask[part]
+        tokens[part], kept[part] = _two_level_draw(rows[part], part_mask, uniforms[part], scratch)
+    if torch.isnan(kept).any():
+        bad = torch.isnan(rows).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"rows {bad} contain NaN")
+    log_kept = torch.log(kept)
+    small = kept < FLOAT32_FLOOR
+    if small.any():
+        again = small.nonzero().flatten()
+        tokens[again], log_kept[again] = _float64_draw(rows, mask, uniforms, again)
+    if single:
+        return Proposal(tokens[0], log_kept[0])
+    return Proposal(tokens, log_kept)
+
+
+def _two_level_draw(
+    rows: torch.Tensor, mask: torch.Tensor | None, uniforms: torch.Tensor, scratch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and kept masses (float64; NaN for a row with NaN) of ``rows``, drawn in two levels with
+    ``scratch``'s leading rows as the workspace of their float32 probabilities."""
+    n, vocab = rows.shape
+    probs = scratch[:n]
+    blocks = probs.shape[1] // BLOCK
     probs[:, vocab:].zero_()  # the last block's padding
     kept_probs = probs[:, :vocab]
     if rows.dtype == torch.float32:
@@ -94,9 +126,6 @@ def masked_proposal(
     masses = by_block.sum(2).to(torch.float64)
     cdf = torch.cumsum(masses, dim=1)
     kept = cdf[:, -1]
-    if torch.isnan(kept).any():
-        bad = torch.isnan(rows).any(1).nonzero().flatten().tolist()
-        raise ValueError(f"rows {bad} contain NaN")
     target = uniforms * kept
     block = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=blocks - 1)
     below = torch.where(block > 0, cdf.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
@@ -106,14 +135,7 @@ def masked_proposal(
     if past.any():
         inner[past] = _last_positive(inside[past])
     tokens = block * BLOCK + inner
-    log_kept = torch.log(kept)
-    small = kept < FLOAT32_FLOOR
-    if small.any():
-        again = small.nonzero().flatten()
-        tokens[again], log_kept[again] = _float64_draw(rows, mask, uniforms, again)
-    if single:
-        return Proposal(tokens[0], log_kept[0])
-    return Proposal(tokens, log_kept)
+    return tokens, kept
 
 
 def _float64_draw(

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from genlm_core import proposal
 from genlm_core.proposal import BLOCK, masked_proposal
 from genlm_core.testing import bounds
 
@@ -115,6 +116,27 @@ def test_the_generator_makes_draws_reproducible():
     a = masked_proposal(rows, generator=torch.Generator().manual_seed(7)).tokens
     b = masked_proposal(rows, generator=torch.Generator().manual_seed(7)).tokens
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shared_mask", [True, False])
+def test_rows_drawn_part_by_part_are_each_rows_own_draw(monkeypatch, shared_mask):
+    """On the CPU a step's rows are drawn a few at a time in one reused workspace: with parts of 3 rows
+    (and 1 over), every token and kept mass is bit for bit that row's draw alone, and a NaN row in any
+    part is named by its place in the step."""
+    vocab = 2 * BLOCK + 50
+    rows = random_rows(10, vocab, seed=4)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.rand(vocab, generator=g) < 0.4 if shared_mask else torch.rand(10, vocab, generator=g) < 0.4
+    mask[..., 3] = True
+    uniforms = torch.rand(10, generator=g, dtype=torch.float64)
+    monkeypatch.setattr(proposal, "SCRATCH_BYTES", 3 * 4 * vocab)
+    step = masked_proposal(rows, mask, uniforms=uniforms)
+    for i in range(10):
+        alone = masked_proposal(rows[i], mask if shared_mask else mask[i], uniforms=uniforms[i : i + 1])
+        assert (int(step.tokens[i]), float(step.log_kept[i])) == (int(alone.tokens), float(alone.log_kept)), i
+    rows[[1, 7]] = float("nan")
+    with pytest.raises(ValueError, match=r"rows \[1, 7\] contain NaN"):
+        masked_proposal(rows, mask, uniforms=uniforms)
 
 
 @pytest.mark.parametrize(

@@ -196,6 +196,23 @@ def test_layout_is_what_was_asked(lm):
     assert lay.spawns and (lay.multiprocess or lay.world_size == 2)
 
 
+def test_where_particles_cannot_be_running_requests_sessions_serve_and_say_why(lm):
+    """No layout here runs the model in this process, so particles continue as resumable sessions (the rows
+    are checked above), and the engine keeps the one reason it logged, the one this layout has."""
+    lay = lm.driver.layout
+    if lay.streaming:  # AsyncLLM streams requests one by one: no sessions, nothing to say
+        return
+    sessions = lm.driver.sessions
+    assert sessions.engine.resident is None
+    if lay.multiprocess:
+        want = "the engine core runs in another process"
+    elif lay.pipeline_parallel > 1:
+        want = "the engine core queues batches (pipeline parallel or async scheduling)"
+    else:
+        want = "the model runs in worker processes"
+    assert sessions.not_resident == want
+
+
 def rank_cores(world_size: int) -> list[set[int]]:
     """The cores genlm-vllm binds each rank of an engine in this process to (``VLLM_CPU_OMP_THREADS_BIND``)."""
     ranks = []

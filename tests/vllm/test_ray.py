@@ -147,6 +147,16 @@ def test_ranks_sit_on_both_nodes_and_talk_over_the_network(engine):
     assert paths == {"torch.distributed"}  # not vLLM's CPU shared-memory collectives
     assert sum(w["writer"] for w in where) == 1
     assert engine.driver.layout.capture == "rpc"
+    # the model runs on Ray's workers: particles continue as sessions, and the engine says why
+    sessions = engine.driver.sessions
+    assert sessions.engine.resident is None
+    assert sessions.not_resident == (
+        "the engine core runs in another process"
+        if engine.driver.layout.multiprocess
+        else "the engine core queues batches (pipeline parallel or async scheduling)"
+        if engine.driver.layout.pipeline_parallel > 1
+        else "the model runs in worker processes"
+    )
 
 
 def test_rows_match_hf(engine, hf):

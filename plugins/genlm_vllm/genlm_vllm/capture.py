@@ -17,8 +17,8 @@ file, fingerprints) is :mod:`genlm_vllm.wire`.
 
 Requests are matched by the tag in ``SamplingParams.extra_args`` (never by row order), so it does
 not matter how the scheduler splits, orders or chunks them. With chunked prefill every chunk produces
-a row; the one kept is at the context's last position. Each step's tagged rows are gathered in one
-operation, normalised there (a float32 log-softmax over the first ``NORMALISE`` columns: the caller's
+a row; the one kept is at the context's last position. Each step's tagged rows are written into one
+block, normalised there (a float32 log-softmax over the first ``NORMALISE`` columns: the caller's
 vocabulary), and leave the device in one copy per step; with ``ON_DEVICE`` (an in-process engine)
 they stay on the model's device.
 
@@ -102,8 +102,9 @@ def _segment(path: str, n: int, width: int) -> Segment:
 
 def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -> None:
     """Hand the rows ``logits[index]`` of ``(extra args, index)`` pairs to their callers, where each
-    request's ``extra_args`` say (slot or tag): gathered in one operation, normalised on the model's
-    device over the ``NORMALISE`` first columns where a request asks, and copied to the host once."""
+    request's ``extra_args`` say (slot or tag): written into one block (:func:`_rows_of`), normalised on
+    the model's device over the ``NORMALISE`` first columns where a request asks, and copied to the host
+    once."""
     global ROWS_WRITTEN
     if not wanted:
         return
