@@ -157,7 +157,7 @@ def assert_no_sequence_leaks(lm):
     assert all(lm.engine.sequence_length(s) == 0 for s in free)
 
 
-@pytest.mark.sized(steps=(50, 200))
+@pytest.mark.sized(steps=(25, 200))
 def test_hundreds_of_continued_forked_cancelled_and_rewound_steps_match_genlm_hf(tiny_gpt2, steps):
     folder, gguf = tiny_gpt2
     lm, ref = llamacpp(gguf, batch_size=16), hf(folder)

@@ -32,7 +32,7 @@ def test_cpu_default_block_size_is_the_smallest_the_engine_accepts(engine):
     assert engine.driver.engine.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
 
 
-@pytest.mark.sized(steps=(100, 300))
+@pytest.mark.sized(steps=(50, 300))
 async def test_smc_with_resampling_cancellation_and_early_stops_is_exact(engine, steps):
     """``steps`` steps of 12 particles: each step continues live sessions; resampling forks; some
     requests are cancelled, some particles stop, one goes back to an older context, two race."""
