@@ -394,13 +394,13 @@ def main() -> None:
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2 (step 1 is the prefill)")
     prompts = [int(p) for p in args.prompts.split(",")]
+    particle_rounds = args.rounds if args.per_particle_rounds is None else args.per_particle_rounds
     summary, counters = [], []
     for vocab in args.vocabs.split(","):
         for n in (int(x) for x in args.n.split(",")):
             lm = start(vocab, n, max(prompts) + args.steps + 64)
             try:
                 for p in prompts:
-                    particle_rounds = args.rounds if args.per_particle_rounds is None else args.per_particle_rounds
                     s, c = bench(lm, vocab, n, p, args.steps, args.rounds, particle_rounds)
                     summary.append(s)
                     counters += c
