@@ -17,7 +17,7 @@ engine, ours, ...), every cache cleared before each:
 Beside the times: rows the model computed per step, tokens it ran per step (vLLM: continued
 sessions' new tokens plus fresh prompts' uncached part; HF: its KV reuse's count), tokens vLLM's
 prefix cache served, tokens forks copied from their parent's unfinished block
-(:mod:`genlm_vllm.forks`), and the share of the run in which the model was computing.
+(:mod:`genlm_vllm.in_engine.forks`), and the share of the run in which the model was computing.
 
     python benchmarks/bench_smc.py [--backends vllm,hf,llamacpp] [--rounds 3] [--n 32] [--steps 32,64]
     python benchmarks/bench_smc.py --versus hf,llamacpp   # the same SMC on two backends, interleaved

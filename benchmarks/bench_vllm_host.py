@@ -105,8 +105,8 @@ def timed(name: str, fn: Callable[..., Any], count_bytes: Callable[..., int] | N
 
 def instrument(lm: Any) -> None:
     """Wrap the in-process engine's stages (instances and module functions) with :func:`timed`."""
-    import genlm_vllm.capture as capture
-    import genlm_vllm.sessions as sessions
+    import genlm_vllm.in_engine.capture as capture
+    import genlm_vllm.live as sessions
 
     llm = lm.driver.engine
     core = llm.llm_engine.engine_core.engine_core  # the in-process EngineCore

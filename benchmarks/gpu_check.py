@@ -701,7 +701,8 @@ def part_vllm_rows(part: Part, args: argparse.Namespace) -> None:
 
     from genlm_core.testing import bounds
     from genlm_core.testing.live import check_live_sequences
-    from genlm_vllm import selftest, vllm_api
+    from genlm_vllm.tools import selftest
+    from genlm_vllm.vllm_api import client, release
 
     dry = args.dry_run
     torch.set_float32_matmul_precision("highest")
@@ -726,9 +727,9 @@ def part_vllm_rows(part: Part, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     lm = vllm_lm(folder, dtype="float32", max_model_len=2048, engine_opts=vllm_engine_opts(dry))
     started = time.perf_counter() - t0
-    facts = vllm_api.engine_facts(vllm_api.engine_config(lm.driver.engine))
+    facts = release.engine_facts(client.engine_config(lm.driver.engine))
     part.note(f"engine up in {started:.0f} s: {facts.describe()}")
-    part.numbers["engine"] = {"start_s": started, "facts": facts.describe(), "env": vllm_api.runner_env(facts.runner)}
+    part.numbers["engine"] = {"start_s": started, "facts": facts.describe(), "env": release.runner_env(facts.runner)}
     table = []
     try:
         report = selftest.check(lm, contexts, batch_tol=float(rows_tol(contexts)))
@@ -793,7 +794,7 @@ def part_vllm_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
     import bench_smc
     from smc import token_mask  # examples/smc.py, on the path that bench_smc set
 
-    from genlm_vllm import vllm_api
+    from genlm_vllm.vllm_api import client, release
 
     dry = args.dry_run
     ns = [4, 8] if dry else [32, 256]
@@ -804,7 +805,7 @@ def part_vllm_smc(part: Part, args: argparse.Namespace, shape: str) -> None:
     opts = vllm_engine_opts(dry, load_format="dummy", seed=0, max_num_seqs=max(ns))
     lm = vllm_lm(folder, dtype="bfloat16", max_model_len=4096, batch_size=max(ns), timeout=0, engine_opts=opts)
     started = time.perf_counter() - t0
-    facts = vllm_api.engine_facts(vllm_api.engine_config(lm.driver.engine))
+    facts = release.engine_facts(client.engine_config(lm.driver.engine))
     part.note(f"{SHAPE_NAMES[shape]} (dummy bf16 weights): engine up in {started:.0f} s: {facts.describe()}")
     sessions = getattr(lm.driver, "sessions", None)
     if sessions is None:

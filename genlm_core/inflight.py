@@ -3,7 +3,7 @@
 A backend that streams requests (:attr:`~genlm_core.lm.AsyncLM.streams`) has no batch to
 deduplicate in, and a cancelled caller must not leave work running that nobody wants. One
 implementation of both, for core's streaming path and any engine driver that streams
-(:mod:`genlm_vllm.async_driver`): :class:`InFlight`.
+(:mod:`genlm_vllm.drivers.async_llm`): :class:`InFlight`.
 
 - **deduplication**: concurrent callers of one key share one computation (started once);
 - **waiter counting and cancellation**: a cancelled caller stops waiting; when the last caller of

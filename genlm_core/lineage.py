@@ -3,7 +3,7 @@
 A particle program asks for ``ids``, picks a token ``t``, then asks for ``ids + [t]``. An engine that
 keeps sequences alive between calls (:class:`~genlm_core.live_index.LiveIndex`) continues the live
 sequence of ``ids`` with ``[t]`` instead of computing ``ids + [t]`` again; a router
-(:mod:`genlm_vllm.replicas`) sends ``ids + [t]`` where ``ids`` was computed. Both ask the same
+(:mod:`genlm_vllm.drivers.replicas`) sends ``ids + [t]`` where ``ids`` was computed. Both ask the same
 question, answered here once: the nearest earlier context that a request extends by at most
 ``lookback`` tokens (:func:`nearest_prefix`); :class:`Continuation` is the answer for a live sequence.
 

@@ -353,8 +353,8 @@ ENGINE_MODULES = (
     "vllm.v1.worker.gpu_model_runner",
     "vllm.distributed.kv_transfer.kv_connector.v1.base",
     "genlm_vllm.vllm_api",
-    "genlm_vllm.capture",
-    "genlm_vllm.forks",
+    "genlm_vllm.in_engine.capture",
+    "genlm_vllm.in_engine.forks",
 )
 _IMPORT_CHECK = """
 import importlib, json, sys
@@ -379,7 +379,7 @@ if "genlm_vllm.vllm_api" in sys.modules:
         results["genlm_vllm: runner (auto)"] = api.resolve_runner("auto", {})
         results["genlm_vllm: engine environment"] = json.dumps(api.runner_env("v1"))
     except BaseException as exc:
-        results["genlm_vllm.vllm_api.loaded()"] = f"{type(exc).__name__}: {exc}"[:300]
+        results["genlm_vllm.vllm_api.release.loaded()"] = f"{type(exc).__name__}: {exc}"[:300]
 print(json.dumps(results))
 """
 

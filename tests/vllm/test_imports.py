@@ -10,36 +10,18 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-#: Every module of genlm-vllm that the caller's process imports (not the engine-side ones that vLLM
-#: loads by name: capture, forks).
-CALLER_SIDE = [
-    "genlm_vllm",
-    "genlm_vllm.async_driver",
-    "genlm_vllm.contract",
-    "genlm_vllm.driver",
-    "genlm_vllm.engine_args",
-    "genlm_vllm.environment",
-    "genlm_vllm.launch",
-    "genlm_vllm.layout",
-    "genlm_vllm.llm_driver",
-    "genlm_vllm.lm",
-    "genlm_vllm.mailbox",
-    "genlm_vllm.main_guard",
-    "genlm_vllm.options",
-    "genlm_vllm.plugin",
-    "genlm_vllm.replicas",
-    "genlm_vllm.rows",
-    "genlm_vllm.selector",
-    "genlm_vllm.selftest",
-    "genlm_vllm.sessions",
-    "genlm_vllm.shm_files",
-    "genlm_vllm.vllm_api",
-    "genlm_vllm.vllm_fixes",
-    "genlm_vllm.wire",
-]
+#: Every module of genlm-vllm that the caller's process imports: all but the engine-side ones that vLLM
+#: loads by name (``genlm_vllm.in_engine``: capture, forks), which subclass vLLM's classes.
+PACKAGE = Path(__file__).resolve().parents[2] / "plugins" / "genlm_vllm" / "genlm_vllm"
+CALLER_SIDE = sorted(
+    ".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in PACKAGE.rglob("*.py")
+    if "in_engine" not in p.parts
+)
 
 
 def run(code: str) -> dict:
@@ -75,12 +57,12 @@ def test_the_engine_side_patches_vllm_when_a_processor_is_built_not_at_import():
         """
         import json, os
         import torch
-        from genlm_vllm import vllm_api
-        vllm_api.loaded()  # vLLM's own imports set variables of vLLM's
+        from genlm_vllm.vllm_api import release
+        release.loaded()  # vLLM's own imports set variables of vLLM's
         before = dict(os.environ)
-        import genlm_vllm.capture, genlm_vllm.forks
-        from genlm_vllm.vllm_api import cpu_fix_targets
-        from genlm_vllm.vllm_fixes import MARK
+        import genlm_vllm.in_engine.capture, genlm_vllm.in_engine.forks
+        from genlm_vllm.vllm_api.worker import cpu_fix_targets
+        from genlm_vllm.vllm_api.fixes import MARK
 
         env = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
         targets = cpu_fix_targets()
@@ -90,7 +72,7 @@ def test_the_engine_side_patches_vllm_when_a_processor_is_built_not_at_import():
                 bool(getattr(targets["cpu_runner"].sync_and_gather_intermediate_tensors, MARK, False)),
             ]
         at_import = marks()
-        genlm_vllm.capture.CaptureLogits(None, torch.device("cpu"), False)
+        genlm_vllm.in_engine.capture.CaptureLogits(None, torch.device("cpu"), False)
         print(json.dumps({"env": env, "at_import": at_import, "built": marks()}))
         """
     )

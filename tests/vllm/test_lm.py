@@ -18,11 +18,11 @@ import torch
 
 from genlm_core import AsyncLM, Failed, Request
 from genlm_core.testing.tokenizers import toy_tokenizer
-from genlm_vllm.driver import EngineDriver
+from genlm_vllm.drivers.base import EngineDriver
 from genlm_vllm.layout import Layout, layout
 from genlm_vllm.lm import AsyncVirtualLM
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.rows import LocalRows
+from genlm_vllm.transport.channels import LocalRows
 
 PADDING = 7  #: columns past the vocabulary, as a model's padded vocabulary has
 

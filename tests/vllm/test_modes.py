@@ -27,10 +27,11 @@ from genlm_core.testing import concurrent_logprobs as gather
 from genlm_core.testing import max_abs_diff as max_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
-from genlm_vllm import process_start
-from genlm_vllm.environment import allowed_cores, threads_bind
-from genlm_vllm.rows import RpcRows, SharedMemoryRows
-from genlm_vllm.shm_files import left_since, leftover_files
+from genlm_vllm.start import processes as start_processes
+from genlm_vllm.start.env import allowed_cores, threads_bind
+from genlm_vllm.start.files import left_since
+from genlm_vllm.transport.channels import RpcRows, SharedMemoryRows
+from genlm_vllm.transport.shm import leftover_files
 
 pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}  # head_dim 64; 2 heads for TP=2
@@ -44,7 +45,7 @@ MODES = {
     "multiprocess": {"multiprocess": True},
     "async": {"engine": "async"},
     "tp2": {"engine_opts": {"tensor_parallel_size": 2}},
-    "pp2": {"engine_opts": {"pipeline_parallel_size": 2}},  # eager: needs genlm_vllm.vllm_fixes on CPU
+    "pp2": {"engine_opts": {"pipeline_parallel_size": 2}},  # eager: needs genlm_vllm.vllm_api.fixes on CPU
     "tp2-rpc": {"engine_opts": {"tensor_parallel_size": 2}, "capture": "rpc"},
     "async-rpc": {"engine": "async", "capture": "rpc", "start_method": "spawn", "worker_wait": "spin"},
 }
@@ -234,7 +235,7 @@ def test_engine_processes_start_as_asked(lm):
     processes = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
     cores = [p for p in processes if p.name().startswith("VLLM::EngineCore")]
     assert len(cores) == lm.driver.layout.multiprocess
-    server = process_start._server_pid
+    server = start_processes._server_pid
     forked = lm.options.start_method == "auto"
     for core in cores:
         assert core.ppid() == (server if forked else os.getpid()), (core.name(), server)
@@ -404,7 +405,7 @@ def test_exactly_one_rank_writes_rows(lm):
 
 
 def test_the_selftest_passes_and_catches_a_row_that_disagrees_with_vllm(lm, monkeypatch):
-    from genlm_vllm import selftest
+    from genlm_vllm.tools import selftest
 
     contexts = selftest.contexts_for(lm.vocab_size, n=4)
     report = selftest.check(lm, contexts, batch_tol=tol(contexts))
@@ -423,7 +424,7 @@ def test_the_selftest_passes_and_catches_a_row_that_disagrees_with_vllm(lm, monk
 
 def test_the_selftest_command_reports_and_exits_by_its_result(lm, path, monkeypatch, capsys):
     import genlm_core
-    from genlm_vllm import selftest
+    from genlm_vllm.tools import selftest
 
     asked = {}
 

@@ -1,4 +1,4 @@
-"""genlm_vllm.process_start, without vLLM: processes forked from the fork server run with their caller's
+"""genlm_vllm.start.processes, without vLLM: processes forked from the fork server run with their caller's
 environment as it was when they started, bound to the cores OpenMP binds a spawned process to (the spawned
 one is the reference), and the server is not used where a forked process could not have what a spawned
 one would (a start-time variable changed since the server started, a binding of each thread to a core of
@@ -23,7 +23,7 @@ SCRIPT = """
 import json, multiprocessing, os, sys
 import setproctitle
 import torch
-from genlm_vllm import process_start
+from genlm_vllm.start import processes
 
 
 def report(conn):
@@ -50,29 +50,29 @@ def run(context):
 
 
 if __name__ == "__main__":
-    context = process_start.forkserver_context(["torch"])
-    server = process_start._server_pid
+    context = processes.forkserver_context(["torch"])
+    server = processes._server_pid
     threads = torch.get_num_threads()
     os.environ["GENLM_TEST_MARK"] = "set after the server started"
     os.environ["OMP_NUM_THREADS"] = str(threads + 1)
     forked = run(context)
     os.environ["GENLM_TEST_MARK"] = "changed again"
-    again = run(process_start.forkserver_context(["torch"]))
+    again = run(processes.forkserver_context(["torch"]))
     os.environ["PYTHONGENLMTEST"] = "1"  # read when an interpreter starts
-    refused = process_start.forkserver_context(["torch"])
+    refused = processes.forkserver_context(["torch"])
     del os.environ["PYTHONGENLMTEST"]
-    back = process_start.forkserver_context(["torch"]) is not None
+    back = processes.forkserver_context(["torch"]) is not None
     os.environ["OMP_NUM_THREADS"] = "2"
     core = str(max(os.sched_getaffinity(0)))
     bound = {}
     for binding in ({"GOMP_CPU_AFFINITY": core}, {"OMP_PLACES": "{" + core + "}", "OMP_PROC_BIND": "close"}):
         os.environ.update(binding)
-        forked_here = run(process_start.forkserver_context(["torch"]))
+        forked_here = run(processes.forkserver_context(["torch"]))
         bound[str(binding)] = [forked_here, run(multiprocessing.get_context("spawn"))]
         for key in binding:
             del os.environ[key]
     os.environ["GOMP_CPU_AFFINITY"] = "0 1"  # thread 0 on core 0, thread 1 on core 1
-    per_thread = process_start.forkserver_context(["torch"])
+    per_thread = processes.forkserver_context(["torch"])
     print(json.dumps({"server": server, "me": os.getpid(), "threads": threads, "forked": forked, "again": again,
                       "refused": refused is None, "back": back, "core": int(core), "bound": bound,
                       "per_thread": per_thread is None}))

@@ -26,8 +26,8 @@ from genlm_core import Request, load_model_by_name
 from genlm_core.testing import bounds, check_lm_contract, max_abs_diff
 from genlm_core.testing.models import tiny_model_dir
 from genlm_hf import AsyncTransformer
-from genlm_vllm.replicas import ReplicaError
-from genlm_vllm.shm_files import left_since
+from genlm_vllm.drivers.replicas import ReplicaError
+from genlm_vllm.start.files import left_since
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -166,7 +166,7 @@ def test_rows_match_hf(engine, hf):
 
 
 def test_the_selftest_passes_across_the_nodes(engine):
-    from genlm_vllm import selftest
+    from genlm_vllm.tools import selftest
 
     report = selftest.check(engine, CONTEXTS, batch_tol=tol(CONTEXTS))
     assert report.ok, report.lines()

@@ -12,7 +12,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core import Failed, Request
-from genlm_vllm.replicas import ReplicaEngine, ReplicaError, pack_rows, unpack_rows
+from genlm_vllm.drivers.replicas import ReplicaEngine, ReplicaError, pack_rows, unpack_rows
 
 
 class RowsDriver:

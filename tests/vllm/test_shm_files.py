@@ -18,9 +18,10 @@ import torch
 
 from genlm_core.testing import bounds
 from genlm_core.testing.models import tiny_model_dir
-from genlm_vllm.rows import SharedMemoryRows
-from genlm_vllm.shm_files import SHM_DIR, left_since, names
-from genlm_vllm.wire import FILE_MODE, SLOT, Segment
+from genlm_vllm.start.files import left_since, names
+from genlm_vllm.transport.channels import SharedMemoryRows
+from genlm_vllm.transport.keys import SLOT
+from genlm_vllm.transport.shm import FILE_MODE, SHM_DIR, Segment
 
 WIDTH = 8
 MODEL = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 2}  # 2 heads for TP=2

@@ -17,7 +17,8 @@ from typing import Any
 import psutil
 
 from genlm_core import load_model_by_name
-from genlm_vllm.shm_files import ENGINE_MARK, FILE_PREFIX, SHM_DIR, engine_files
+from genlm_vllm.start.files import ENGINE_MARK, engine_files
+from genlm_vllm.transport.shm import FILE_PREFIX, SHM_DIR
 
 CONTEXTS = [[1, 2, 3], [4, 5, 6, 7], [8]]
 

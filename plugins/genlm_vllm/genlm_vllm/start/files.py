@@ -1,6 +1,6 @@
-"""Shared-memory files in ``/dev/shm``: ours (row slots, named :data:`FILE_PREFIX`) and those an engine's
-processes make (named with the engine's tag: :class:`EngineFiles`), removed once nothing uses them, also
-after a crash."""
+"""The shared-memory files an engine's processes make in ``/dev/shm`` (named with the engine's tag:
+:class:`EngineFiles`), removed once nothing uses them, also after a crash. Our own row-slot files are
+:mod:`genlm_vllm.transport.shm`'s."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing import shared_memory
 
-log = logging.getLogger(__name__)
+from genlm_vllm.transport import shm
+from genlm_vllm.transport.shm import FILE_PREFIX, process_gone, remove_files
 
-SHM_DIR = "/dev/shm"
-FILE_PREFIX = "genlm-vllm-"  #: every shared-memory file of ours starts with this
+log = logging.getLogger(__name__)
 
 
 def _shm_files_of(pid: str, paths: set[str] | None) -> set[str]:
@@ -28,12 +28,12 @@ def _shm_files_of(pid: str, paths: set[str] | None) -> set[str]:
         for line in f:
             path = line.rstrip("\n").partition("/dev/shm/")
             if path[1] and not path[2].endswith(" (deleted)"):
-                found.add(SHM_DIR + "/" + path[2])
+                found.add(shm.SHM_DIR + "/" + path[2])
     fd_dir = f"/proc/{pid}/fd"
     for fd in os.listdir(fd_dir):
         with contextlib.suppress(OSError):
             target = os.readlink(os.path.join(fd_dir, fd))
-            if target.startswith(SHM_DIR + "/"):
+            if target.startswith(shm.SHM_DIR + "/"):
                 found.add(target)
     return found if paths is None else found & paths
 
@@ -91,7 +91,7 @@ def files_used_by(pids: list[int]) -> set[str]:
 def names(directory: str | None = None) -> set[str]:
     """The names of the files in ``directory`` (``/dev/shm``) now."""
     try:
-        return set(os.listdir(directory or SHM_DIR))
+        return set(os.listdir(directory or shm.SHM_DIR))
     except FileNotFoundError:
         return set()
 
@@ -100,7 +100,7 @@ def left_since(before: set[str], directory: str | None = None, other_than: int |
     """Paths of the files made in ``directory`` (``/dev/shm``) since it held the names ``before`` that no live
     process (other than ``other_than``) uses: left behind. A file some live process still uses is that process's
     (another engine's, another program's)."""
-    directory = directory or SHM_DIR
+    directory = directory or shm.SHM_DIR
     made = {os.path.join(directory, n) for n in names(directory) - before}
     return made - in_use(made, other_than) if made else set()
 
@@ -159,7 +159,7 @@ def _unmarked(name: str) -> bool:
 
 def engine_files(tag: str, directory: str | None = None) -> set[str]:
     """Paths of the files in ``directory`` (``/dev/shm``) whose names carry the engine tag ``tag``."""
-    directory = directory or SHM_DIR
+    directory = directory or shm.SHM_DIR
     return {os.path.join(directory, n) for n in names(directory) if f"{ENGINE_MARK}{tag}-" in n}
 
 
@@ -205,10 +205,10 @@ class EngineFiles:
             try:
                 yield
                 self.processes = {pid: at for pid, at in descendants().items() if before.get(pid) != at}
-                used = {os.path.relpath(path, SHM_DIR) for path in files_used_by(list(self.processes))}
+                used = {os.path.relpath(path, shm.SHM_DIR) for path in files_used_by(list(self.processes))}
                 appeared = names() - names_before  # a file that was there before is never the engine's
                 taken = appeared if ray else used & appeared
-                self.untagged = {os.path.join(SHM_DIR, n) for n in taken if _unmarked(n)}
+                self.untagged = {os.path.join(shm.SHM_DIR, n) for n in taken if _unmarked(n)}
             finally:
                 config["semprefix"] = saved[0]
                 if saved[1] is None:
@@ -258,54 +258,13 @@ class EngineFiles:
         return removed
 
 
-def remove_files(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
-
-def leftover_files(pid: int | None = None, directory: str = SHM_DIR) -> list[str]:
-    """Shared-memory files of genlm-vllm that still exist: those made by process ``pid``, or by any."""
-    prefix = FILE_PREFIX if pid is None else f"{FILE_PREFIX}{pid}-"
-    try:
-        return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix))
-    except FileNotFoundError:
-        return []
-
-
-def _gone(pid: int) -> bool:
-    """Whether no process ``pid`` exists (one that is someone else's exists)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, someone else's
-        pass
-    return False
-
-
-def remove_files_of_dead_processes(directory: str = SHM_DIR) -> list[str]:
-    """Remove our files whose creating process is gone (killed before it could clean up)."""
-    removed = []
-    for path in leftover_files(directory=directory):
-        pid = os.path.basename(path)[len(FILE_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and _gone(int(pid)):
-            remove_files([path])
-            removed.append(path)
-    if removed:
-        log.info("genlm-vllm: removed %d shared-memory files of processes that are gone", len(removed))
-    return removed
-
-
-def remove_files_of_dead_engines(directory: str = SHM_DIR) -> list[str]:
+def remove_files_of_dead_engines(directory: str = shm.SHM_DIR) -> list[str]:
     """Remove the files of engines whose caller is gone (killed before it could close the engine: the tag
     starts with the caller's process id) and that no live process uses."""
     gone: set[str] = set()
     for name in names(directory):
         found = re.search(rf"{ENGINE_MARK}(\d+)x[0-9a-f]+-", name)
-        if found is not None and _gone(int(found.group(1))):
+        if found is not None and process_gone(int(found.group(1))):
             gone.add(os.path.join(directory, name))
     removed = sorted(gone - in_use(gone)) if gone else []
     remove_files(removed)

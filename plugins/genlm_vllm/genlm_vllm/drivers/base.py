@@ -2,17 +2,17 @@
 
 A driver owns one way of running vLLM and everything that comes with it (the engine, the row
 channel, live sessions, files its processes leave). Its kinds, one module each, picked by
-:func:`genlm_vllm.selector.start_driver`:
+:func:`genlm_vllm.drivers.select.start_driver`:
 
-- :class:`~genlm_vllm.llm_driver.LLMDriver`: ``vllm.LLM``, one engine batch per batch of requests,
+- :class:`~genlm_vllm.drivers.llm.LLMDriver`: ``vllm.LLM``, one engine batch per batch of requests,
   particles kept alive as sessions (every layout but AsyncLLM);
-- :class:`~genlm_vllm.async_driver.AsyncLLMDriver`: vLLM's ``AsyncLLM``; each request streams into the
+- :class:`~genlm_vllm.drivers.async_llm.AsyncLLMDriver`: vLLM's ``AsyncLLM``; each request streams into the
   running engine (``engine="async"``, vLLM's data parallel);
-- :class:`~genlm_vllm.replicas.ReplicaDriver`: ``replicas=N`` engines as Ray actors, each an
+- :class:`~genlm_vllm.drivers.replicas.ReplicaDriver`: ``replicas=N`` engines as Ray actors, each an
   ``LLMDriver``, behind a router that keeps lineages together.
 
 Every kind starts through :meth:`EngineDriver.start` (the two that run an engine here share
-:func:`genlm_vllm.launch.launch`), returns raw logits rows (normalised in the engine where
+:func:`genlm_vllm.drivers.launch.launch`), returns raw logits rows (normalised in the engine where
 :attr:`~EngineDriver.rows_normalised`), and closes through :meth:`EngineDriver.close`. Drivers never
 import the LM or the selector.
 """
@@ -31,8 +31,8 @@ import torch
 from genlm_core import Request, RowsOut
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.rows import RowChannel
-from genlm_vllm.shm_files import EngineFiles
+from genlm_vllm.start.files import EngineFiles
+from genlm_vllm.transport.channels import RowChannel
 
 log = logging.getLogger("genlm_vllm")
 
@@ -106,11 +106,11 @@ class EngineDriver(abc.ABC):
     @abc.abstractmethod
     def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
         """vLLM's own ``logprobs=k`` for the token after each context: its sampler's path, not our
-        capture (an independent reference for :mod:`genlm_vllm.selftest`)."""
+        capture (an independent reference for :mod:`genlm_vllm.tools.selftest`)."""
 
     @abc.abstractmethod
     def call_workers(self, method: str, *args: Any) -> list[Any]:
-        """Run a :class:`~genlm_vllm.capture.RowsExtension` method on every worker; their replies."""
+        """Run a :class:`~genlm_vllm.in_engine.capture.RowsExtension` method on every worker; their replies."""
 
     @abc.abstractmethod
     def load_lora(self, name: str, path: str) -> None:

@@ -1,6 +1,6 @@
 """Check that a vLLM layout returns exact rows, on the machines it runs on.
 
-    python -m genlm_vllm.selftest MODEL --options '{"engine_opts": {"tensor_parallel_size": 8,
+    python -m genlm_vllm.tools.selftest MODEL --options '{"engine_opts": {"tensor_parallel_size": 8,
         "distributed_executor_backend": "ray"}, "ray_address": "10.0.0.1:6379"}'
 
 It starts the engine, asks every worker where it runs (node, ranks, how its groups talk, which rank
@@ -8,7 +8,7 @@ writes rows), computes full-vocabulary rows for a few contexts in one batch and 
 compares each row's top tokens with vLLM's own ``logprobs=k`` from the engine's sampler (a path
 that does not go through our capture). Exit status 0 when every check passes.
 
-    python -m genlm_vllm.selftest MODEL --suite [--runners v1,v2]
+    python -m genlm_vllm.tools.selftest MODEL --suite [--runners v1,v2]
 
 runs the whole suite on a float32 HF folder (on a GPU: both model runners where the release's V2 takes
 logits processors; vLLM 0.26's does not), one engine at a time:
@@ -176,6 +176,18 @@ def _versus(name: str, check: str, rows: list[Any], refs: list[Any], tol: float)
     return Line(name, check, f"{kept:.1e}", kept <= tol, detail)
 
 
+def reference_backend() -> Any:
+    """genlm-hf's ``AsyncTransformer``, the suite's reference; an ImportError naming the extra if it is missing."""
+    try:
+        from genlm_hf import AsyncTransformer
+    except ImportError as exc:
+        raise ImportError(
+            f"the vLLM self-test compares against genlm-hf, which is not installed ({exc}): "
+            "pip install 'genlm-vllm[selftest]'"
+        ) from exc
+    return AsyncTransformer
+
+
 def suite(
     model: str,
     runners: list[str],
@@ -190,8 +202,9 @@ def suite(
     import time
 
     from genlm_core import load_model_by_name
-    from genlm_hf import AsyncTransformer
-    from genlm_vllm.vllm_api import decode
+    from genlm_vllm.vllm_api.client import decode
+
+    AsyncTransformer = reference_backend()
 
     # One engine batch per SMC step, flushed as soon as every particle has asked (as bench_smc.py does).
     base: dict[str, Any] = {"dtype": "float32", "enable_lora": True, "max_lora_rank": 8, "batch_size": n, "timeout": 0}
@@ -293,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
 def default_runners() -> list[str]:
     """The model runners the suite checks by default: both on CUDA where Model Runner V2 takes logits
     processors (vLLM 0.32 on), else V1 alone (vLLM's CPU build; vLLM 0.26 on CUDA)."""
-    from genlm_vllm.vllm_api import has_v2_processors
+    from genlm_vllm.vllm_api.release import has_v2_processors
 
     return ["v1", "v2"] if torch.cuda.is_available() and has_v2_processors() else ["v1"]
 
 
 def _version() -> str:
-    from genlm_vllm.vllm_api import distribution, version
+    from genlm_vllm.vllm_api.release import distribution, version
 
     return f"{distribution()} {version()}"
 

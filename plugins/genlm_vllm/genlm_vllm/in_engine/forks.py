@@ -1,7 +1,7 @@
 """Forks share their parent's unfinished KV block: a vLLM KV connector that copies it on the device.
 
 After resampling, several particles continue one context. One continues the parent's live session
-(:mod:`genlm_vllm.sessions`); every other child starts a session of its own. vLLM's prefix cache
+(:mod:`genlm_vllm.live`); every other child starts a session of its own. vLLM's prefix cache
 serves the child's *full* blocks, but caches no block until it is full, so without help each child
 would recompute the parent's unfinished last block (up to a block less one token).
 
@@ -20,10 +20,10 @@ Each worker then copies those blocks, in every layer it holds, before the step's
 own in-place block copy, the one its sub-block prefix hits use). The parent's positions below its
 context length are never written again, and the copy runs in the same step as it is planned, so the
 parent's blocks cannot be freed in between. vLLM imports this module by name
-(:data:`~genlm_vllm.wire.CONNECTOR_MODULE`) wherever its scheduler or workers run (the engine-core
+(:data:`~genlm_vllm.transport.keys.CONNECTOR_MODULE`) wherever its scheduler or workers run (the engine-core
 process, each TP/PP or Ray worker); importing it changes nothing. The caller plugs it in with
-:func:`genlm_vllm.engine_args.engine_kwargs` and names a request's parent with
-:data:`~genlm_vllm.wire.FORK`.
+:func:`genlm_vllm.start.engine_args.engine_kwargs` and names a request's parent with
+:data:`~genlm_vllm.transport.keys.FORK`.
 """
 
 from __future__ import annotations
@@ -31,18 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from genlm_vllm.vllm_api import (
-    ConnectorBlocks,
+from genlm_vllm.transport.keys import FORK
+from genlm_vllm.vllm_api.release import (
     KVCacheBlockCopy,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
-    connector_metadata,
-    copy_kv_blocks,
-    exact_session_block_hashes,
 )
-from genlm_vllm.wire import FORK
+from genlm_vllm.vllm_api.worker import ConnectorBlocks, connector_metadata, copy_kv_blocks, exact_session_block_hashes
 
 
 @dataclass

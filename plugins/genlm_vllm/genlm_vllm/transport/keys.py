@@ -1,8 +1,10 @@
-"""What crosses from the caller into vLLM's processes and back: names, keys and the slot file.
+"""What crosses from the caller into vLLM's processes: the keys a request carries, the names vLLM loads our
+engine-side code by, and context fingerprints.
 
-Both sides import this module: the caller (:mod:`genlm_vllm.rows`, :mod:`genlm_vllm.sessions`, the
-engine arguments) and the engine's processes (:mod:`genlm_vllm.capture`, :mod:`genlm_vllm.forks`). It
-imports neither vLLM nor anything that does, and does nothing at import.
+Both sides import this module: the caller (:mod:`genlm_vllm.transport.channels`, :mod:`genlm_vllm.live`,
+the engine arguments) and the engine's processes (:mod:`genlm_vllm.in_engine.capture`,
+:mod:`genlm_vllm.in_engine.forks`). It imports neither vLLM nor anything that does, and does nothing at
+import. The slot file's format is :mod:`genlm_vllm.transport.shm`'s.
 
 - The ``extra_args`` keys a request carries into the engine (:data:`TAG`, :data:`SLOT`,
   :data:`CONTEXT`, :data:`NORMALISE`, :data:`ON_DEVICE`, :data:`FORK`, :data:`AT`).
@@ -10,17 +12,13 @@ imports neither vLLM nor anything that does, and does nothing at import.
   :data:`EXTENSION`, :data:`CONNECTOR` in :data:`CONNECTOR_MODULE`).
 - What the engine's processes are set up with, in vLLM's ``additional_config`` (:data:`WORKER_NAP`).
 - A context's fingerprint (:func:`context_fingerprint`), which the engine checks a request runs on.
-- :class:`Segment`, the shared-memory file of row slots the caller owns and the engine writes.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from typing import Any
-
-import torch
 
 from genlm_core.context import Context
 
@@ -33,19 +31,19 @@ NORMALISE = "genlm_normalise"  #: (optional) normalise the row over this many fi
 ON_DEVICE = "genlm_on_device"  #: (optional, in-process engines) keep the row on the model's device
 FORK = "genlm_fork"  #: the request id of the live sequence whose context this one extends
 #: (optional) how many output tokens a request holds when its row is computed: a resident request's
-#: row after the tokens its program chose (:class:`~genlm_vllm.vllm_api.ResidentCore`); absent: 0, the
+#: row after the tokens its program chose (:class:`~genlm_vllm.vllm_api.client.ResidentCore`); absent: 0, the
 #: row at its prompt's last token
 AT = "genlm_at"
 
 # ---- the names vLLM loads our code by -------------------------------------------------------------
 
 #: The capture processor for each model runner (their interfaces differ), as ``module:Class``.
-PROCESSORS = {"v1": "genlm_vllm.capture:CaptureLogits", "v2": "genlm_vllm.capture:CaptureLogitsV2"}
+PROCESSORS = {"v1": "genlm_vllm.in_engine.capture:CaptureLogits", "v2": "genlm_vllm.in_engine.capture:CaptureLogitsV2"}
 #: Mixed into vLLM's workers (``worker_extension_cls``: vLLM wants a dotted path here).
-EXTENSION = "genlm_vllm.capture.RowsExtension"
+EXTENSION = "genlm_vllm.in_engine.capture.RowsExtension"
 #: The KV connector that lets forks copy their parent's unfinished block (``kv_transfer_config``).
 CONNECTOR = "ForkConnector"
-CONNECTOR_MODULE = "genlm_vllm.forks"
+CONNECTOR_MODULE = "genlm_vllm.in_engine.forks"
 
 # ---- settings for the engine's processes, in vLLM's additional_config -------------------------------
 
@@ -98,41 +96,3 @@ def fingerprint(length: int, sample: Sequence[int]) -> list[int]:
     """The :func:`context_fingerprint` of a context of ``length`` tokens whose ids at
     :func:`fingerprint_positions` are ``sample`` (for the engine, which holds them elsewhere)."""
     return [length, hash(tuple(sample))]
-
-
-# ---- the shared-memory slot file ------------------------------------------------------------------
-
-WRITING = -1  #: a slot's flag while its row is being written
-#: A slot file's mode: its owner's alone (rows are what a program computes), as Python's and vLLM's own
-#: shared memory (``multiprocessing``'s semaphores and ``SharedMemory``) are made.
-FILE_MODE = 0o600
-
-
-class Segment:
-    """A caller-owned shared-memory file of ``n`` slots: ``n`` int64 flags, then ``n`` float32 rows.
-
-    The caller creates it (``create=True``: a new file, readable and writable by its owner only,
-    :data:`FILE_MODE`, whatever the umask) and reads rows; the engine's writing rank, a process of the
-    same user, opens it by path and writes them (:meth:`write`)."""
-
-    def __init__(self, path: str, n: int, width: int, create: bool = False):
-        self.path, self.n, self.width = path, n, width
-        size = n * 8 + n * width * 4
-        if create:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-            try:
-                os.fchmod(fd, FILE_MODE)  # a umask can only narrow the mode; one that took the owner's write away
-                os.ftruncate(fd, size)  # would leave a file this process cannot map
-            finally:
-                os.close(fd)
-        raw = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        self.flags = raw[: n * 8].view(torch.int64)
-        self.data = raw[n * 8 :].view(torch.float32).view(n, width)
-
-    def write(self, index: int, seq: int, row: torch.Tensor) -> None:
-        """Seqlock write: mark the slot busy, copy the row (at most ``width`` entries), then publish
-        the request's number."""
-        self.flags[index] = WRITING
-        row = row[: self.width]
-        self.data[index, : row.shape[0]].copy_(row)
-        self.flags[index] = seq

@@ -2,18 +2,18 @@
 
 One processor per vLLM model runner, since their interfaces differ: :class:`CaptureLogits` for the
 V1 runner (vLLM's CPU build, and CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``) and
-:class:`CaptureLogitsV2` for Model Runner V2 (CUDA's default). :data:`~genlm_vllm.wire.PROCESSORS`
+:class:`CaptureLogitsV2` for Model Runner V2 (CUDA's default). :data:`~genlm_vllm.transport.keys.PROCESSORS`
 names them; the engine is started with the one for the runner it will use
-(:func:`genlm_vllm.vllm_api.resolve_runner`).
+(:func:`genlm_vllm.vllm_api.release.resolve_runner`).
 
 vLLM imports this module by name in whichever process runs the model (the caller's own for an
 in-process engine, vLLM's engine-core process, each tensor/pipeline-parallel worker) and in the
 caller's, where its input processor validates requests against the processor class. Importing it
 changes nothing; constructing a processor (once per model runner, when the engine starts in that
-process and before its first forward pass) applies :func:`~genlm_vllm.vllm_fixes.apply_cpu_fixes`
+process and before its first forward pass) applies :func:`~genlm_vllm.vllm_api.fixes.apply_cpu_fixes`
 there, the one hook vLLM gives us in every worker, and sets how the worker waits for the engine's next
-step (:data:`~genlm_vllm.wire.WORKER_NAP`). The caller's side of the protocol (keys, slot
-file, fingerprints) is :mod:`genlm_vllm.wire`.
+step (:data:`~genlm_vllm.transport.keys.WORKER_NAP`). The caller's side of the protocol (keys, slot
+file, fingerprints) is :mod:`genlm_vllm.transport.keys`.
 
 Requests are matched by the tag in ``SamplingParams.extra_args`` (never by row order), so it does
 not matter how the scheduler splits, orders or chunks them. With chunked prefill every chunk produces
@@ -26,9 +26,9 @@ Exactly one process writes each row: tensor-parallel rank 0 of the last pipeline
 every rank sees the same all-gathered logits; with PP only the last stage has any). Where the row
 goes depends on the request's extra arguments:
 
-- ``SLOT`` present: into a caller-owned shared-memory slot (:class:`~genlm_vllm.wire.Segment`),
+- ``SLOT`` present: into a caller-owned shared-memory slot (:class:`~genlm_vllm.transport.shm.Segment`),
   using a sequence-numbered flag so the caller never mistakes an old or half-written row for its own;
-- otherwise into this process's :mod:`~genlm_vllm.mailbox`, read directly by an in-process caller or
+- otherwise into this process's :mod:`~genlm_vllm.transport.mailbox`, read directly by an in-process caller or
   fetched with ``collective_rpc("genlm_pop_rows", ...)`` through :class:`RowsExtension`.
 """
 
@@ -41,32 +41,30 @@ from typing import Any
 import torch
 
 from genlm_core.rows import RowMemory, normalise
-from genlm_vllm import mailbox
-from genlm_vllm.vllm_api import (
-    BatchUpdate,
-    LogitsContext,
-    LogitsProcRequestState,
-    MoveDirectionality,
-    V1LogitsProcessor,
-    V2LogitsProcessor,
-    group_path,
-    nap_while_waiting,
-    parallel_ranks,
-)
-from genlm_vllm.vllm_fixes import apply_cpu_fixes
-from genlm_vllm.wire import (
+from genlm_vllm.transport import mailbox
+from genlm_vllm.transport.keys import (
     AT,
     CONTEXT,
     NORMALISE,
     ON_DEVICE,
     SLOT,
     TAG,
-    Segment,
     fingerprint,
     fingerprint_positions,
     split_positions,
     worker_nap,
 )
+from genlm_vllm.transport.shm import Segment
+from genlm_vllm.vllm_api.fixes import apply_cpu_fixes
+from genlm_vllm.vllm_api.release import (
+    BatchUpdate,
+    LogitsContext,
+    LogitsProcRequestState,
+    MoveDirectionality,
+    V1LogitsProcessor,
+    V2LogitsProcessor,
+)
+from genlm_vllm.vllm_api.worker import group_path, nap_while_waiting, parallel_ranks
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +157,7 @@ def _runs(index: list[int]) -> list[tuple[int, int, int]]:
 
 def _caller_order(pair: tuple[dict[str, Any], int]) -> tuple[str, int, int]:
     """Where a row goes in its caller's batch: the tags of one batch are numbered in the caller's order
-    (:meth:`~genlm_vllm.rows.RowChannel.new_tags`), so rows gathered in this order come back as
+    (:meth:`~genlm_vllm.transport.channels.RowChannel.new_tags`), so rows gathered in this order come back as
     consecutive rows of one block, whatever order the engine's batch holds them in (after resampling it
     is another one): the caller then takes them without stacking them again. Matching stays by tag."""
     args, index = pair
@@ -171,7 +169,7 @@ class CaptureLogits(V1LogitsProcessor):
     """The V1 model runner's processor: copies the logits of tagged requests; changes nothing.
 
     V1 tells a processor how its batch changed (:class:`BatchUpdate`: requests added, removed,
-    moved); the row kept is the one produced while the request holds :data:`~genlm_vllm.wire.AT` output
+    moved); the row kept is the one produced while the request holds :data:`~genlm_vllm.transport.keys.AT` output
     tokens (none: the row of its prompt; a resident request's, after its program's tokens), on the
     context its fingerprint names."""
 

@@ -1,9 +1,9 @@
 """Starting one vLLM engine in this process, and checking it started as asked.
 
-The steps every driver that runs an engine here (:class:`~genlm_vllm.llm_driver.LLMDriver`,
-:class:`~genlm_vllm.async_driver.AsyncLLMDriver`) shares, in order: refuse a script that spawned
-processes would re-run (:mod:`genlm_vllm.main_guard`), pick the model runner and the engine arguments
-(:mod:`genlm_vllm.engine_args`), start the engine in its environment (:mod:`genlm_vllm.environment`),
+The steps every driver that runs an engine here (:class:`~genlm_vllm.drivers.llm.LLMDriver`,
+:class:`~genlm_vllm.drivers.async_llm.AsyncLLMDriver`) shares, in order: refuse a script that spawned
+processes would re-run (:mod:`genlm_vllm.start.processes`), pick the model runner and the engine arguments
+(:mod:`genlm_vllm.start.engine_args`), start the engine in its environment (:mod:`genlm_vllm.start.env`),
 mark the shared-memory files its processes make with the engine's tag, and check what it started with
 (:func:`check_started`); a driver that fails the check is closed.
 """
@@ -15,14 +15,15 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from genlm_vllm.driver import EngineDriver
-from genlm_vllm.engine_args import engine_kwargs
-from genlm_vllm.environment import engine_start
+from genlm_vllm.drivers.base import EngineDriver
 from genlm_vllm.layout import Layout
-from genlm_vllm.main_guard import check_main_guard
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.shm_files import EngineFiles, remove_files_of_dead_engines
-from genlm_vllm.vllm_api import engine_config, engine_facts, resolve_runner
+from genlm_vllm.start.engine_args import engine_kwargs
+from genlm_vllm.start.env import engine_start
+from genlm_vllm.start.files import EngineFiles, remove_files_of_dead_engines
+from genlm_vllm.start.processes import check_main_guard
+from genlm_vllm.vllm_api.client import engine_config
+from genlm_vllm.vllm_api.release import engine_facts, resolve_runner
 
 log = logging.getLogger("genlm_vllm")
 

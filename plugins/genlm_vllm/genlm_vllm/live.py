@@ -9,8 +9,8 @@ session is aborted to make room and what a failed batch or row leaves behind is 
 returns the rows of each batch it runs (a failed chunk is a failed row of its request only):
 
 - a sequence is a request id; releasing it aborts the request (its full blocks stay in the prefix cache);
-- a copy is a fork: the new session's chunk names its source (:data:`~genlm_vllm.wire.FORK`), and the
-  engine copies the source's unfinished last block (:mod:`genlm_vllm.forks`) while vLLM's prefix
+- a copy is a fork: the new session's chunk names its source (:data:`~genlm_vllm.transport.keys.FORK`), and the
+  engine copies the source's unfinished last block (:mod:`genlm_vllm.in_engine.forks`) while vLLM's prefix
   cache serves its full blocks, so only copies of a context less its last token are worth making;
 - room is an up-front budget: parked sessions hold a scheduler slot and KV blocks that vLLM cannot
   preempt, so one slot and a longest context's worth of KV are kept for everything else.
@@ -35,9 +35,9 @@ from genlm_core import Request
 from genlm_core.live import LiveEngine, LiveOptions, LiveSequences, LiveStats, Piece, Ran
 from genlm_core.rows import rows_block
 from genlm_vllm.options import MAX_IDLE_BATCHES
-from genlm_vllm.rows import RowChannel
-from genlm_vllm.vllm_api import EngineCore, ResidentCore, SamplingParams, prefill_counts
-from genlm_vllm.wire import AT, CONNECTOR, CONTEXT, FORK, context_fingerprint
+from genlm_vllm.transport.channels import RowChannel
+from genlm_vllm.transport.keys import AT, CONNECTOR, CONTEXT, FORK, context_fingerprint
+from genlm_vllm.vllm_api.client import EngineCore, ResidentCore, SamplingParams, prefill_counts
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
         self.max_live = core.max_num_seqs - 1
         self.block_size = core.block_size
         self.kv_budget = core.kv_blocks * core.block_size - core.max_model_len
-        #: whether forks copy their source's unfinished block (:mod:`genlm_vllm.forks` is plugged in)
+        #: whether forks copy their source's unfinished block (:mod:`genlm_vllm.in_engine.forks` is plugged in)
         self.forks = core.kv_connector == CONNECTOR
         self._sources: dict[str, str] = {}  # a new session -> the session its chunk forks
         self._prefix = uuid.uuid4().hex[:8]

@@ -1,6 +1,6 @@
 """The caller's side of row capture: how rows written inside the engine come back to genlm.
 
-Three channels, one per place the logits processor (:mod:`genlm_vllm.capture`) can run:
+Three channels, one per place the logits processor (:mod:`genlm_vllm.in_engine.capture`) can run:
 
 - :class:`LocalRows`: the engine runs in this process; rows are read from memory.
 - :class:`SharedMemoryRows`: the processor runs in other processes on this host; each request gets a
@@ -10,7 +10,7 @@ Three channels, one per place the logits processor (:mod:`genlm_vllm.capture`) c
   ``collective_rpc`` as raw bytes, merged by tag.
 
 Every channel hands out a :class:`Ticket` (tags, and the ``extra_args`` that carry them into the
-engine: :mod:`genlm_vllm.wire`) before the requests are submitted, and returns one row or ``None``
+engine: :mod:`genlm_vllm.transport.keys`) before the requests are submitted, and returns one row or ``None``
 (missing) per request afterwards. A row is only ever matched by its own tag or sequence number, never
 by position. :func:`stack` makes a batch's rows one tensor, without a copy where they already are one
 block. Nothing here imports vLLM.
@@ -33,10 +33,9 @@ import torch
 
 from genlm_core import Request
 from genlm_core.rows import rows_block
-from genlm_vllm import mailbox
-from genlm_vllm.layout import Layout
-from genlm_vllm.shm_files import FILE_PREFIX, SHM_DIR, remove_files, remove_files_of_dead_processes
-from genlm_vllm.wire import NORMALISE, ON_DEVICE, SLOT, TAG, Segment
+from genlm_vllm.transport import mailbox
+from genlm_vllm.transport.keys import NORMALISE, ON_DEVICE, SLOT, TAG
+from genlm_vllm.transport.shm import FILE_PREFIX, SHM_DIR, Segment, remove_files, remove_files_of_dead_processes
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class RowChannel(abc.ABC):
 
 
 class LocalRows(RowChannel):
-    """The engine runs in this process: rows are taken from its :mod:`~genlm_vllm.mailbox`."""
+    """The engine runs in this process: rows are taken from its :mod:`~genlm_vllm.transport.mailbox`."""
 
     name = "local"
 
@@ -241,17 +240,18 @@ class RpcRows(RowChannel):
 
 
 def open_channel(
-    lay: Layout,
+    capture: str,
     width: int,
     pop: PopRows | None = None,
     pop_async: Callable[..., Awaitable[list[Any]]] | None = None,
 ) -> RowChannel:
-    """The channel that reaches where an engine laid out as ``lay`` runs its model (the one place a
-    channel is chosen). ``width``: the logits row's length; ``pop``/``pop_async``: the engine's
+    """The channel that reaches where an engine's model runs, by its layout's ``capture`` ("local",
+    "shm" or "rpc": :attr:`~genlm_vllm.layout.Layout.capture`); the one place a channel is
+    chosen. ``width``: the logits row's length; ``pop``/``pop_async``: the engine's
     ``collective_rpc("genlm_pop_rows", ...)``, for rows on other hosts."""
-    if lay.capture == "local":
+    if capture == "local":
         return LocalRows()  # (on_device is set by the driver where options ask)
-    if lay.capture == "shm":
+    if capture == "shm":
         return SharedMemoryRows(width)
     return RpcRows(pop, pop_async)
 

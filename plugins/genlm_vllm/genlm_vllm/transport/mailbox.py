@@ -1,9 +1,9 @@
 """Rows captured in this process and not yet taken, by tag: where the capture processor leaves a row
 that no shared-memory slot was given for.
 
-The processor (:mod:`genlm_vllm.capture`) puts rows here in whichever process writes them; an
-in-process caller takes them directly (:class:`~genlm_vllm.rows.LocalRows`), a remote one through
-``collective_rpc`` (:class:`~genlm_vllm.capture.RowsExtension`). Imports no vLLM.
+The processor (:mod:`genlm_vllm.in_engine.capture`) puts rows here in whichever process writes them; an
+in-process caller takes them directly (:class:`~genlm_vllm.transport.channels.LocalRows`), a remote one through
+``collective_rpc`` (:class:`~genlm_vllm.in_engine.capture.RowsExtension`). Imports no vLLM.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from genlm_vllm import vllm_api
+from genlm_vllm.vllm_api import worker
 
 MARK = "_genlm_fixed"
 
@@ -34,7 +34,7 @@ MARK = "_genlm_fixed"
 def apply_cpu_fixes() -> list[str]:
     """Apply each fix here that this vLLM still needs (idempotent): on its CPU build, where a probe of
     the bug finds it. Returns the names of the fixes in place."""
-    targets = vllm_api.cpu_fix_targets()
+    targets = worker.cpu_fix_targets()
     if targets is None:
         return []
     applied = []

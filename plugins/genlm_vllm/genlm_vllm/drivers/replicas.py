@@ -2,7 +2,7 @@
 
 A request flows: the client's batcher -> :meth:`ReplicaDriver.logits` -> :class:`PrefixRouter` picks
 a replica per request -> each replica's share goes to its :class:`ReplicaEngine` actor (an
-:class:`~genlm_vllm.llm_driver.LLMDriver` inside) at once -> rows come back as raw float32 bytes. A
+:class:`~genlm_vllm.drivers.llm.LLMDriver` inside) at once -> rows come back as raw float32 bytes. A
 replica that fails fails only its own requests, and the error names it; new contexts then go to the
 others. A request that failed alone inside a replica (its live session's chunk) fails alone here too.
 """
@@ -20,9 +20,9 @@ import torch
 
 from genlm_core import Failed, Request, RowsOut
 from genlm_core.lineage import nearest_prefix
-from genlm_vllm.driver import EngineDriver
+from genlm_vllm.drivers.base import EngineDriver
+from genlm_vllm.drivers.llm import LLMDriver
 from genlm_vllm.layout import Layout, layout
-from genlm_vllm.llm_driver import LLMDriver
 from genlm_vllm.options import VLLMOptions
 
 log = logging.getLogger("genlm_vllm")
@@ -78,7 +78,7 @@ class PrefixRouter:
 
 
 class ReplicaEngine:
-    """One replica, inside a Ray actor: an :class:`~genlm_vllm.llm_driver.LLMDriver` started from the
+    """One replica, inside a Ray actor: an :class:`~genlm_vllm.drivers.llm.LLMDriver` started from the
     client's options (``replicas=1``)."""
 
     def __init__(self, model: str, options: dict[str, Any]):

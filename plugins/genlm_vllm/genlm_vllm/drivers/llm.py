@@ -1,12 +1,12 @@
 """``vllm.LLM`` behind the driver interface: in-process, multiprocess, tensor/pipeline parallel, Ray.
 
 A batch of requests becomes one row-sized chunk per request of the engine's resumable sessions
-(:mod:`genlm_vllm.sessions`): a request that extends a context of the previous batch continues that
+(:mod:`genlm_vllm.live`): a request that extends a context of the previous batch continues that
 sequence in the engine, computing only its new tokens, and the session engine returns the batch's rows
 as core's live path asks (a request whose chunk failed is a failed row, its own). With
 ``live={'enabled': False}`` a batch is one plain ``generate`` (prefix caching only). Either way the
-capture processor (:mod:`genlm_vllm.capture`) copies each request's logits by tag wherever the model
-runs, and the row channel (:mod:`genlm_vllm.rows`) brings them back.
+capture processor (:mod:`genlm_vllm.in_engine.capture`) copies each request's logits by tag wherever the model
+runs, and the row channel (:mod:`genlm_vllm.transport.channels`) brings them back.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from genlm_core import AutoBatcher, Request, RowsOut
-from genlm_vllm import vllm_api
-from genlm_vllm.driver import EngineDriver
-from genlm_vllm.launch import launch
+from genlm_vllm.drivers.base import EngineDriver
+from genlm_vllm.drivers.launch import launch
 from genlm_vllm.layout import Layout
+from genlm_vllm.live import Sessions
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.rows import open_channel, stack
-from genlm_vllm.sessions import Sessions
+from genlm_vllm.transport.channels import open_channel, stack
+from genlm_vllm.vllm_api import client, release
 
 #: One ``sample`` call: (request, max_tokens, eos ids, temperature, seed).
 SampleCall = tuple[Request, int, tuple[int, ...], float, "int | None"]
@@ -37,11 +37,11 @@ class LLMDriver(EngineDriver):
         super().__init__(lay)
         self.engine = llm
         self.rows = open_channel(
-            lay,
-            vllm_api.vocab_size(llm),
-            pop=lambda tags, discard: vllm_api.collective_rpc(llm, "genlm_pop_rows", (tags, discard)),
+            lay.capture,
+            client.vocab_size(llm),
+            pop=lambda tags, discard: client.collective_rpc(llm, "genlm_pop_rows", (tags, discard)),
         )
-        self.loras = vllm_api.LoRARequests()
+        self.loras = client.LoRARequests()
         #: the engine's live sequences (None: each batch is one ``generate``, prefix caching only)
         self.sessions = (
             Sessions(llm, self.rows, self.loras.get, options.live, options.resident_requests)
@@ -60,7 +60,7 @@ class LLMDriver(EngineDriver):
     @classmethod
     def start(cls, model: str, options: VLLMOptions, lay: Layout) -> LLMDriver:
         """Start a ``vllm.LLM`` for ``model`` in layout ``lay``."""
-        return launch(model, options, lay, vllm_api.start_llm, lambda llm: cls(llm, options, lay))
+        return launch(model, options, lay, client.start_llm, lambda llm: cls(llm, options, lay))
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -86,7 +86,7 @@ class LLMDriver(EngineDriver):
         ticket = self.rows.prepare(len(requests))
         finished = False
         try:
-            params = [vllm_api.row_params(a) for a in ticket.extra_args]
+            params = [client.row_params(a) for a in ticket.extra_args]
             self.generate([r.token_ids for r in requests], params, [r.adapter for r in requests], cache_salt)
             rows = self.rows.collect(ticket)
             finished = True
@@ -103,10 +103,10 @@ class LLMDriver(EngineDriver):
     ) -> Any:
         """One plain ``LLM.generate`` (ends the live sessions first: they would keep it waiting)."""
         self.release_sessions()
-        prompts = [vllm_api.prompt(c, cache_salt) for c in contexts]
+        prompts = [client.prompt(c, cache_salt) for c in contexts]
         loras = [self.loras.get(a) for a in adapters]
         self.batches += 1
-        return vllm_api.generate(self.engine, prompts, params, loras if any(loras) else None)
+        return client.generate(self.engine, prompts, params, loras if any(loras) else None)
 
     def release_sessions(self) -> None:
         """End the engine's live sequences (before any other use of the engine)."""
@@ -122,39 +122,39 @@ class LLMDriver(EngineDriver):
         return await self.sampler.submit(object(), (request, max_tokens, eos, temperature, seed))
 
     def _sample_batch(self, calls: list[SampleCall]) -> list[list[int]]:
-        params = [vllm_api.sample_params(*call[1:]) for call in calls]
+        params = [client.sample_params(*call[1:]) for call in calls]
         with self.lock:
             outputs = self.generate([r.token_ids for r, *_ in calls], params, [r.adapter for r, *_ in calls])
-        return [vllm_api.sampled_tokens(out, call[2]) for call, out in zip(calls, outputs)]
+        return [client.sampled_tokens(out, call[2]) for call, out in zip(calls, outputs)]
 
     def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
-        params = [vllm_api.top_params(k) for _ in contexts]
+        params = [client.top_params(k) for _ in contexts]
         with self.lock:
             outputs = self.generate(contexts, params, [None] * len(contexts))
-        return [vllm_api.first_token_logprobs(out) for out in outputs]
+        return [client.first_token_logprobs(out) for out in outputs]
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return vllm_api.collective_rpc(self.engine, method, args)
+        return client.collective_rpc(self.engine, method, args)
 
     def load_lora(self, name: str, path: str) -> None:
         self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
         self.release_sessions()
-        vllm_api.remove_lora(self.engine, self.loras.pop_id(name))
+        client.remove_lora(self.engine, self.loras.pop_id(name))
 
     def reset_prefix_cache(self) -> None:
         self.release_sessions()  # parked sessions hold blocks: the prefix cache cannot be reset under them
-        vllm_api.reset_prefix_cache(self.engine)
+        client.reset_prefix_cache(self.engine)
 
     def shutdown(self) -> None:
         self.sampler.close()
         llm, self.engine = self.engine, None
         self.sessions = None  # it holds the engine core (and, with Ray, its mapped queues)
         # vLLM's Ray executor leaves the placement group it made for an in-process engine
-        group = vllm_api.placement_group(llm) if self.layout.ray and not self.layout.multiprocess else None
+        group = client.placement_group(llm) if self.layout.ray and not self.layout.multiprocess else None
         try:
-            vllm_api.shutdown_llm(llm)
+            client.shutdown_llm(llm)
         finally:
             if group is not None:
                 remove_placement_group(group)
@@ -167,4 +167,4 @@ def remove_placement_group(group: Any) -> None:
     try:
         ray.util.remove_placement_group(group)
     except Exception as exc:
-        vllm_api.log.info("removing the engine's Ray placement group: %s: %s", type(exc).__name__, exc)
+        release.log.info("removing the engine's Ray placement group: %s: %s", type(exc).__name__, exc)

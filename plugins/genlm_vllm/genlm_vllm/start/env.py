@@ -1,5 +1,5 @@
 """The environment an engine starts with: CPU thread binding for its workers, how its processes start
-(spawned, or forked from a fork server: :mod:`genlm_vllm.process_start`), the Ray cluster to join, and
+(spawned, or forked from a fork server: :mod:`genlm_vllm.start.processes`), the Ray cluster to join, and
 the model runner (see :func:`engine_start`)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import os
 import sys
 from collections.abc import Iterator
 
-from genlm_vllm import vllm_api
 from genlm_vllm.layout import Layout
-from genlm_vllm.process_start import forkserver_context
+from genlm_vllm.start.processes import forkserver_context
+from genlm_vllm.vllm_api import client, release
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +62,12 @@ def engine_env(lay: Layout, runner: str | None = None) -> dict[str, str]:
     ("v1" or "v2") pins vLLM's model runner in all of them."""
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if lay.multiprocess else "0"}
     if runner is not None:
-        env.update(vllm_api.runner_env(runner))
+        env.update(release.runner_env(runner))
     if lay.ray and (address := lay.ray_address or _connected_ray_address()):
         env["RAY_ADDRESS"] = address  # an engine core in its own process joins the same cluster
     if lay.spawns:
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # forking a process that holds threads is unsafe
-        if vllm_api.on_cpu_build() and not lay.ray:
+        if release.on_cpu_build() and not lay.ray:
             bind = os.environ.get(BIND)
             if bind is None or bind == "auto":  # vLLM's auto binding needs one NUMA node per rank
                 env[BIND] = threads_bind(lay.world_size, allowed_cores())
@@ -93,11 +93,11 @@ def forks_from_server(lay: Layout, start_method: str) -> bool:
     forked from the fork server. ``"auto"`` forks on vLLM's CPU build (where importing vLLM in each
     spawned process is most of an engine's start) and spawns on CUDA. A process the fork server cannot
     give what a spawned one would have is spawned all the same (see
-    :func:`~genlm_vllm.process_start.forkserver_context`): on vLLM's CPU build, a tensor/pipeline-parallel
+    :func:`~genlm_vllm.start.processes.forkserver_context`): on vLLM's CPU build, a tensor/pipeline-parallel
     worker whose OpenMP binding puts its threads on different cores."""
     if not lay.spawns or start_method == "spawn":
         return False
-    return start_method == "forkserver" or vllm_api.on_cpu_build()
+    return start_method == "forkserver" or release.on_cpu_build()
 
 
 @contextlib.contextmanager
@@ -105,7 +105,7 @@ def engine_start(lay: Layout, runner: str | None = None, start_method: str = "sp
     """Start an engine in ``lay``: set ``engine_env(lay, runner)`` while it starts (its processes inherit
     it), then restore ours. Where :func:`forks_from_server` says so for ``start_method``, the processes
     vLLM would spawn are forked from this process's fork server instead (spawned where it cannot serve
-    them: see :func:`~genlm_vllm.process_start.forkserver_context`). vLLM caches its settings once an engine has
+    them: see :func:`~genlm_vllm.start.processes.forkserver_context`). vLLM caches its settings once an engine has
     started in this process: that cache is dropped first. An engine whose model runs in other processes
     leaves this process's torch thread count as it was (vLLM's executor sets it to 1 for itself, which
     would slow the caller's own torch work and break a later in-process CPU engine). See also
@@ -113,15 +113,15 @@ def engine_start(lay: Layout, runner: str | None = None, start_method: str = "sp
     import torch
 
     env = engine_env(lay, runner)
-    vllm_api.disable_settings_cache()
+    release.disable_settings_cache()
     saved = {key: os.environ.get(key) for key in env}
     threads = torch.get_num_threads()
     os.environ.update(env)
     try:
         choose = None
         if forks_from_server(lay, start_method):
-            choose = functools.partial(forkserver_context, vllm_api.engine_process_modules())
-        with hidden_from_vllm_kernel_scan(), vllm_api.processes_from(choose):
+            choose = functools.partial(forkserver_context, client.engine_process_modules())
+        with hidden_from_vllm_kernel_scan(), client.processes_from(choose):
             yield
     finally:
         for key, value in saved.items():

@@ -21,12 +21,12 @@ import torch
 
 from genlm_core import Request
 from genlm_core.inflight import InFlight
-from genlm_vllm import vllm_api
-from genlm_vllm.driver import EngineDriver
-from genlm_vllm.launch import launch
+from genlm_vllm.drivers.base import EngineDriver
+from genlm_vllm.drivers.launch import launch
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
-from genlm_vllm.rows import SharedMemoryRows, open_channel, stack
+from genlm_vllm.transport.channels import SharedMemoryRows, open_channel, stack
+from genlm_vllm.vllm_api import client
 
 T = TypeVar("T")
 
@@ -66,10 +66,10 @@ class AsyncLLMDriver(EngineDriver):
         self.engine_thread = thread
 
         async def pop(tags: list[str], discard: list[str]) -> list[Any]:
-            return await vllm_api.every_worker_async(engine, "genlm_pop_rows", (tags, discard), lay.data_parallel)
+            return await client.every_worker_async(engine, "genlm_pop_rows", (tags, discard), lay.data_parallel)
 
-        self.rows = open_channel(lay, vllm_api.vocab_size(engine), pop_async=pop)
-        self.loras = vllm_api.LoRARequests()
+        self.rows = open_channel(lay.capture, client.vocab_size(engine), pop_async=pop)
+        self.loras = client.LoRARequests()
         #: engine requests in flight, by request (shared by equal ones, aborted with their last caller)
         self.in_flight: InFlight[Request, torch.Tensor] = InFlight()
 
@@ -79,7 +79,7 @@ class AsyncLLMDriver(EngineDriver):
         thread = EngineThread()
 
         async def build(kwargs: dict[str, Any]) -> Any:  # on the engine loop: AsyncLLM's output handler runs there
-            return vllm_api.start_async_llm(kwargs)
+            return client.start_async_llm(kwargs)
 
         try:
             return launch(model, options, lay, lambda kwargs: thread.call(build(kwargs)), lambda e: cls(e, thread, lay))
@@ -104,12 +104,12 @@ class AsyncLLMDriver(EngineDriver):
         """On the engine loop: one request's raw row (``cache_salt``: sharing no cached KV block)."""
         assert self.rows is not None
         ticket = self.rows.prepare(1)
-        params = vllm_api.row_params(ticket.extra_args[0])
+        params = client.row_params(ticket.extra_args[0])
         self.batches += 1
         finished = False
         try:
             lora = self.loras.get(request.adapter)
-            await vllm_api.run_async(
+            await client.run_async(
                 self.engine, request.token_ids, params, ticket.tags[0], cache_salt=cache_salt, lora=lora
             )
             rows = await self.rows.collect_async(ticket)
@@ -142,24 +142,22 @@ class AsyncLLMDriver(EngineDriver):
         self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
     ) -> list[int]:
         """Streamed like every request; cancelling the caller aborts it in the engine."""
-        params = vllm_api.sample_params(max_tokens, eos, temperature, seed)
+        params = client.sample_params(max_tokens, eos, temperature, seed)
         return await asyncio.wrap_future(self.engine_thread.submit(self._sample_one(request, params, eos)))
 
     async def _sample_one(self, request: Request, params: Any, eos: tuple[int, ...]) -> list[int]:
         assert self.rows is not None
         self.batches += 1
         lora = self.loras.get(request.adapter)
-        final = await vllm_api.run_async(self.engine, request.token_ids, params, self.rows.new_tags(1)[0], lora=lora)
+        final = await client.run_async(self.engine, request.token_ids, params, self.rows.new_tags(1)[0], lora=lora)
         assert final is not None
-        return vllm_api.sampled_tokens(final, eos)
+        return client.sampled_tokens(final, eos)
 
     def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
         assert self.rows is not None
 
         async def one(context: Sequence[int], tag: str) -> dict[int, float]:
-            return vllm_api.first_token_logprobs(
-                await vllm_api.run_async(self.engine, context, vllm_api.top_params(k), tag)
-            )
+            return client.first_token_logprobs(await client.run_async(self.engine, context, client.top_params(k), tag))
 
         async def every() -> list[dict[int, float]]:
             tags = self.rows.new_tags(len(contexts))  # type: ignore[union-attr]
@@ -169,18 +167,16 @@ class AsyncLLMDriver(EngineDriver):
 
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         """Every worker of every engine (vLLM's data parallel included)."""
-        return self.engine_thread.call(
-            vllm_api.every_worker_async(self.engine, method, args, self.layout.data_parallel)
-        )
+        return self.engine_thread.call(client.every_worker_async(self.engine, method, args, self.layout.data_parallel))
 
     def load_lora(self, name: str, path: str) -> None:
         self.loras.add(name, path)
 
     def remove_lora(self, name: str) -> None:
-        self.engine_thread.call(vllm_api.remove_lora_async(self.engine, self.loras.pop_id(name)))
+        self.engine_thread.call(client.remove_lora_async(self.engine, self.loras.pop_id(name)))
 
     def reset_prefix_cache(self) -> None:
-        self.engine_thread.call(vllm_api.reset_prefix_cache_async(self.engine))
+        self.engine_thread.call(client.reset_prefix_cache_async(self.engine))
 
     def shutdown(self) -> None:
         from genlm_core import ClosedError
@@ -189,7 +185,7 @@ class AsyncLLMDriver(EngineDriver):
         engine, self.engine = self.engine, None
 
         async def shutdown() -> None:
-            vllm_api.shutdown_async_llm(engine)
+            client.shutdown_async_llm(engine)
 
         try:
             self.engine_thread.call(shutdown(), timeout=60)
