@@ -4,7 +4,8 @@ Starts the tiny float32 Llama of ``tests/vllm/conftest.py`` on vLLM's in-process
 context in a live session, then traces one request that continues it: ``await lm.next_token_logprobs``
 (through the batcher, whose worker thread is traced too) and ``lm.next_token_logprobs_sync``.
 
-A *crossing* is a Python call into a function of a genlm module (``genlm_core.*``, ``genlm_vllm.*``)
+*Modules* are the genlm modules the request enters. A *crossing* is a Python call
+into a function of a genlm module (``genlm_core.*``, ``genlm_vllm.*``)
 whose nearest calling genlm frame (walking the calling frames of the same thread) is in another
 module; a *return crossing* is one of those whose module is already further up that chain (the
 request goes back into a module it had left). Calls with no genlm caller in their thread (a
@@ -119,6 +120,7 @@ def main() -> None:
                     counter.between,
                     counter.returns,
                     counter.entries,
+                    sorted(counter.modules),
                     counter.edges,
                 )
             )
@@ -129,12 +131,18 @@ def main() -> None:
         threading.setprofile(None)  # type: ignore[arg-type,unused-ignore]
         lm.cleanup()
     print(
-        "| request (continues a live session) | genlm calls | crossings | between stages (not into request/context) "
-        "| back into a module left | entries |"
+        "| request (continues a live session) | genlm modules (core + plugin) | genlm calls | crossings "
+        "| between stages (not into request/context) | back into a module left | entries |"
     )
-    print("|---|---|---|---|---|---|")
-    for label, calls, crossings, between, returns, entries, _ in results:
-        print(f"| {label} | {calls} | {crossings} | {between} | {returns} | {entries} |")
+    print("|---|---|---|---|---|---|---|")
+    for label, calls, crossings, between, returns, entries, modules, _ in results:
+        core = sum(m.startswith("genlm_core") for m in modules)
+        print(
+            f"| {label} | {len(modules)} ({core} + {len(modules) - core}) | {calls} | {crossings} | {between} "
+            f"| {returns} | {entries} |"
+        )
+    for label, *_, modules, _ in results:
+        print(f"\n{label}: modules entered: {', '.join(modules)}")
     for label, *_, edges in results:
         print(f"\n{label}: most frequent crossings")
         for (a, b), n in edges.most_common(args.top):

@@ -1,6 +1,6 @@
 """The transformers internals genlm-hf relies on, all in genlm_hf.transformers_api, checked from the sources of
-the installed release and of the newest release in our range (genlm_hf.contract); the checker fails on a
-release that changed what we use."""
+the installed release and of the newest release in our range (genlm_hf.tools.contract); the checker fails on
+a release that changed what we use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from genlm_core.testing.sources import installed_sources, release_version
-from genlm_hf import contract, transformers_api
+from genlm_hf import transformers_api
+from genlm_hf.tools import contract
 
 PLUGIN = Path(transformers_api.__file__).parent
 ROOT = PLUGIN.parent.parent.parent
@@ -21,8 +22,8 @@ ROOT = PLUGIN.parent.parent.parent
 def test_only_the_adapter_imports_transformers_or_names_its_internals():
     offenders = []
     internals = ("ddp_cache_data", "_attn_implementation", "DynamicLayer", "get_text_config")
-    for path in PLUGIN.glob("*.py"):
-        if path.name in ("transformers_api.py", "contract.py"):
+    for path in sorted(PLUGIN.rglob("*.py")):
+        if path.name == "transformers_api.py":
             continue
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):

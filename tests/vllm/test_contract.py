@@ -78,8 +78,11 @@ def test_the_installed_vllm_has_every_interface_we_use():
 
 
 def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
-    """A copy of the installed vLLM with five changes: a parameter renamed, two fields dropped (one of
-    a request's output), a new abstract method on the connector base, and a module we import removed."""
+    """A copy of the installed vLLM with nine changes: a parameter renamed, two fields dropped (one of
+    a request's output), a new abstract method on the connector base, a module we import removed, the
+    ``VLLM_HOST_IP`` setting gone, ``cache_salt`` gone from the base of ``TokensPrompt`` (a class
+    re-exported from another file, its base named there), Model Runner V2's logits context without
+    ``idx_mapping_np``, and the parameter of ``get_num_new_matched_tokens`` our connector overrides renamed."""
     root = tmp_path / "vllm"
     shutil.copytree(contract.installed_sources(), root, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     processor = root / "v1/engine/input_processor.py"
@@ -97,13 +100,29 @@ def test_the_check_fails_on_a_release_that_changed_what_we_use(tmp_path):
     logprobs = root / "logprobs.py"
     logprobs.write_text(logprobs.read_text().replace("    logprob: float", "    log_prob: float"))
     (root / "v1/core/kv_cache_utils.py").unlink()
+    envs = root / "envs.py"
+    envs.write_text(envs.read_text().replace('    VLLM_HOST_IP: str = ""\n', ""))
+    prompts = root / "inputs/llm.py"
+    prompts.write_text(prompts.read_text().replace("    cache_salt: NotRequired[str]", "    salt: NotRequired[str]"))
+    interface = root / "v1/worker/gpu/sample/logits_processor/interface.py"
+    interface.write_text(interface.read_text().replace("    idx_mapping_np:", "    req_idx_np:"))
+    base.write_text(
+        base.read_text().replace(
+            '        request: "Request",\n        num_computed_tokens: int,\n    ) -> tuple[int | None, bool]:',
+            '        request: "Request",\n        num_local_computed_tokens: int,\n    ) -> tuple[int | None, bool]:',
+        )
+    )
     problems = "\n".join(contract.check(root))
     assert "InputProcessor.process_inputs takes no parameter resumable" in problems
     assert "EngineCoreRequest has no attribute external_req_id" in problems
     assert "ForkConnector does not implement KVConnectorBase_V1.new_duty" in problems
     assert "module vllm.v1.core.kv_cache_utils is missing" in problems
     assert "logprobs.py: Logprob has no attribute logprob" in problems
-    assert len(problems.splitlines()) >= 5
+    assert "envs.py: VLLM_HOST_IP is missing" in problems
+    assert "inputs/__init__.py: TokensPrompt has no attribute cache_salt" in problems
+    assert "interface.py: LogitsContext has no attribute idx_mapping_np" in problems
+    assert "KVConnectorBase_V1.get_num_new_matched_tokens takes no parameter num_computed_tokens" in problems
+    assert len(problems.splitlines()) >= 9
 
 
 @pytest.mark.slow

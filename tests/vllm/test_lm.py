@@ -38,7 +38,8 @@ class TableDriver(EngineDriver):
     with a row channel (``normalising``), rows come back normalised, as the capture processor does."""
 
     def __init__(self, width: int, streams: bool = False, normalising: bool = False):
-        super().__init__(layout(VLLMOptions()))
+        options = VLLMOptions()
+        super().__init__(layout(options), options)
         self.width = width
         self.streams = streams
         self.rows = LocalRows() if normalising else None
@@ -73,23 +74,13 @@ class TableDriver(EngineDriver):
     def uncached_logits(self, request: Request) -> torch.Tensor:
         return self._row(request)
 
-    async def sample(self, *args: Any) -> list[int]:
+    def run(self, calls: Sequence[Any]) -> list[Any]:
         raise NotImplementedError
 
-    def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
-        raise NotImplementedError
-
-    def call_workers(self, method: str, *args: Any) -> list[Any]:
-        raise NotImplementedError
-
-    def load_lora(self, name: str, path: str) -> None:
-        raise NotImplementedError
-
-    def remove_lora(self, name: str) -> None:
-        raise NotImplementedError
-
-    def reset_prefix_cache(self) -> None:
-        pass
+    def engine_call(self, op: str, *args: Any) -> list[Any]:
+        if op != "reset_prefix_cache":
+            raise NotImplementedError
+        return [None]
 
     def shutdown(self) -> None:
         pass

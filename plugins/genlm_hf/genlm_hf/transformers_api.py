@@ -3,7 +3,7 @@
 Public transformers (``AutoModelForCausalLM``, ``AutoTokenizer``, ``BitsAndBytesConfig``) is loaded here
 too, so that no other module of genlm-hf imports transformers. What is not public API — the cache's
 constructor and layers, a cache-layer subclass, the config's attention implementation, the forward
-pass's ``logits_to_keep`` — is declared in :data:`INTERFACES`, and :mod:`genlm_hf.contract` checks each
+pass's ``logits_to_keep`` — is declared in :data:`INTERFACES`, and :mod:`genlm_hf.tools.contract` checks each
 declaration against a release's own sources (the installed one, and the newest of :data:`TESTED`).
 Nothing here imports transformers before it is used.
 """

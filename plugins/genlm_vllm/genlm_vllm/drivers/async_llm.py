@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from genlm_core import Request
 from genlm_core.inflight import InFlight
-from genlm_vllm.drivers.base import EngineDriver
+from genlm_vllm.drivers.base import EngineCall, EngineDriver, EngineOp
 from genlm_vllm.drivers.launch import launch
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
@@ -60,8 +61,8 @@ class AsyncLLMDriver(EngineDriver):
 
     streams = True
 
-    def __init__(self, engine: Any, thread: EngineThread, lay: Layout):
-        super().__init__(lay)
+    def __init__(self, engine: Any, thread: EngineThread, options: VLLMOptions, lay: Layout):
+        super().__init__(lay, options)
         self.engine = engine
         self.engine_thread = thread
 
@@ -69,7 +70,6 @@ class AsyncLLMDriver(EngineDriver):
             return await client.every_worker_async(engine, "genlm_pop_rows", (tags, discard), lay.data_parallel)
 
         self.rows = open_channel(lay.capture, client.vocab_size(engine), pop_async=pop)
-        self.loras = client.LoRARequests()
         #: engine requests in flight, by request (shared by equal ones, aborted with their last caller)
         self.in_flight: InFlight[Request, torch.Tensor] = InFlight()
 
@@ -82,10 +82,46 @@ class AsyncLLMDriver(EngineDriver):
             return client.start_async_llm(kwargs)
 
         try:
-            return launch(model, options, lay, lambda kwargs: thread.call(build(kwargs)), lambda e: cls(e, thread, lay))
+            return launch(
+                model, options, lay, lambda kwargs: thread.call(build(kwargs)), lambda e: cls(e, thread, options, lay)
+            )
         except BaseException:
             thread.stop()  # (a driver that failed its check has stopped it already)
             raise
+
+    # ---- the primitives -----------------------------------------------------------------------
+
+    def run(self, calls: Sequence[EngineCall]) -> list[Any]:
+        """Every call streamed into the running engine at once, and waited for."""
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(self._run_one(c) for c in calls)))
+
+        return self.engine_thread.call(every())
+
+    async def _run_one(self, call: EngineCall) -> Any:
+        """On the engine loop: one engine request to its end, its output read."""
+        assert self.rows is not None
+        self.batches += 1
+        request_id = call.request_id or self.rows.new_tags(1)[0]
+        final = await client.run_async(
+            self.engine,
+            call.token_ids,
+            call.params,
+            request_id,
+            cache_salt=call.cache_salt,
+            lora=self.loras.get(call.adapter),
+        )
+        assert final is not None
+        return call.read(final)
+
+    def engine_call(self, op: EngineOp, *args: Any) -> list[Any]:
+        if op == "collective_rpc":
+            method, rpc_args = args
+            reply = client.every_worker_async(self.engine, method, rpc_args, self.layout.data_parallel)
+        else:
+            reply = ASYNC_OPS[op](self.engine, *args)
+        return [self.engine_thread.call(reply)]
 
     # ---- rows ---------------------------------------------------------------------------------
 
@@ -104,14 +140,12 @@ class AsyncLLMDriver(EngineDriver):
         """On the engine loop: one request's raw row (``cache_salt``: sharing no cached KV block)."""
         assert self.rows is not None
         ticket = self.rows.prepare(1)
-        params = client.row_params(ticket.extra_args[0])
-        self.batches += 1
+        call = EngineCall(
+            request.token_ids, client.row_params(ticket.extra_args[0]), request.adapter, cache_salt, ticket.tags[0]
+        )
         finished = False
         try:
-            lora = self.loras.get(request.adapter)
-            await client.run_async(
-                self.engine, request.token_ids, params, ticket.tags[0], cache_salt=cache_salt, lora=lora
-            )
+            await self._run_one(call)
             rows = await self.rows.collect_async(ticket)
             finished = True
         finally:
@@ -130,53 +164,26 @@ class AsyncLLMDriver(EngineDriver):
         return torch.stack(self.engine_thread.call(every()))
 
     def uncached_logits(self, request: Request) -> torch.Tensor:
-        """The row of one context alone, salted so that no cached KV block is reused."""
+        """The row of one context alone, salted so that no cached KV block is reused (streamed: rows
+        from other hosts come back asynchronously here)."""
         return self.engine_thread.call(self._logits(request, cache_salt=uuid.uuid4().hex))
 
     def fail_in_flight(self, error: BaseException) -> None:
         self.in_flight.fail_all(error)
 
-    # ---- sampling and the rest ----------------------------------------------------------------
+    # ---- sampling: streamed, as every request ---------------------------------------------------
 
     async def sample(
         self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
     ) -> list[int]:
-        """Streamed like every request; cancelling the caller aborts it in the engine."""
-        params = client.sample_params(max_tokens, eos, temperature, seed)
-        return await asyncio.wrap_future(self.engine_thread.submit(self._sample_one(request, params, eos)))
-
-    async def _sample_one(self, request: Request, params: Any, eos: tuple[int, ...]) -> list[int]:
-        assert self.rows is not None
-        self.batches += 1
-        lora = self.loras.get(request.adapter)
-        final = await client.run_async(self.engine, request.token_ids, params, self.rows.new_tags(1)[0], lora=lora)
-        assert final is not None
-        return client.sampled_tokens(final, eos)
-
-    def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
-        assert self.rows is not None
-
-        async def one(context: Sequence[int], tag: str) -> dict[int, float]:
-            return client.first_token_logprobs(await client.run_async(self.engine, context, client.top_params(k), tag))
-
-        async def every() -> list[dict[int, float]]:
-            tags = self.rows.new_tags(len(contexts))  # type: ignore[union-attr]
-            return list(await asyncio.gather(*(one(c, t) for c, t in zip(contexts, tags))))
-
-        return self.engine_thread.call(every())
-
-    def call_workers(self, method: str, *args: Any) -> list[Any]:
-        """Every worker of every engine (vLLM's data parallel included)."""
-        return self.engine_thread.call(client.every_worker_async(self.engine, method, args, self.layout.data_parallel))
-
-    def load_lora(self, name: str, path: str) -> None:
-        self.loras.add(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        self.engine_thread.call(client.remove_lora_async(self.engine, self.loras.pop_id(name)))
-
-    def reset_prefix_cache(self) -> None:
-        self.engine_thread.call(client.reset_prefix_cache_async(self.engine))
+        """Streamed like every request (no batch of ours); cancelling the caller aborts it in the engine."""
+        call = EngineCall(
+            request.token_ids,
+            client.sample_params(max_tokens, eos, temperature, seed),
+            request.adapter,
+            read=functools.partial(client.sampled_tokens, eos=eos),
+        )
+        return await asyncio.wrap_future(self.engine_thread.submit(self._run_one(call)))
 
     def shutdown(self) -> None:
         from genlm_core import ClosedError
@@ -191,3 +198,11 @@ class AsyncLLMDriver(EngineDriver):
             self.engine_thread.call(shutdown(), timeout=60)
         finally:
             self.engine_thread.stop()
+
+
+#: :data:`~genlm_vllm.drivers.base.ENGINE_OPS` on an ``AsyncLLM`` (``collective_rpc`` reaches every
+#: data-parallel engine: :meth:`AsyncLLMDriver.engine_call`), each a coroutine for the engine loop.
+ASYNC_OPS: dict[str, Callable[..., Any]] = {
+    "remove_lora": client.remove_lora_async,
+    "reset_prefix_cache": client.reset_prefix_cache_async,
+}

@@ -11,6 +11,14 @@ channel, live sessions, files its processes leave). Its kinds, one module each, 
 - :class:`~genlm_vllm.drivers.replicas.ReplicaDriver`: ``replicas=N`` engines as Ray actors, each an
   ``LLMDriver``, behind a router that keeps lineages together.
 
+As vLLM's executors share ``collective_rpc``, the drivers share two primitives and differ in little
+else: :meth:`EngineDriver.run` (plain engine requests, :class:`EngineCall`, each read where its output
+is produced) and :meth:`EngineDriver.engine_call` (an operation on every engine, :data:`ENGINE_OPS`).
+Sampling, vLLM's own top logprobs, a plain captured batch, worker calls, adapters and the prefix cache
+are written once here on those two. What each kind writes itself is where its engine differs: how a
+batch's rows are computed (:meth:`~EngineDriver.logits`: live sessions, streamed requests, or routed
+to replicas), and a streaming engine's sampling.
+
 Every kind starts through :meth:`EngineDriver.start` (the two that run an engine here share
 :func:`genlm_vllm.drivers.launch.launch`), returns raw logits rows (normalised in the engine where
 :attr:`~EngineDriver.rows_normalised`), and closes through :meth:`EngineDriver.close`. Drivers never
@@ -20,21 +28,49 @@ import the LM or the selector.
 from __future__ import annotations
 
 import abc
+import functools
 import gc
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
-from genlm_core import Request, RowsOut
+from genlm_core import AutoBatcher, Request, RowsOut
 from genlm_vllm.layout import Layout
 from genlm_vllm.options import VLLMOptions
 from genlm_vllm.start.files import EngineFiles
-from genlm_vllm.transport.channels import RowChannel
+from genlm_vllm.transport.channels import RowChannel, stack
+from genlm_vllm.vllm_api import client
 
 log = logging.getLogger("genlm_vllm")
+
+#: The operations :meth:`EngineDriver.engine_call` runs on every engine: each driver maps them to its
+#: engine's adapter call (``vllm.LLM``'s, ``AsyncLLM``'s, or a replica's own driver).
+EngineOp = Literal["collective_rpc", "remove_lora", "reset_prefix_cache"]
+ENGINE_OPS: tuple[EngineOp, ...] = ("collective_rpc", "remove_lora", "reset_prefix_cache")
+
+
+def output(out: Any) -> Any:
+    """An engine output as it is (the default :attr:`EngineCall.read`)."""
+    return out
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One plain engine request: a context, vLLM's parameters for it, an adapter name, a cache salt, and
+    how its output is read (where it is produced: in a replica's process, only the result travels)."""
+
+    token_ids: Sequence[int]
+    params: Any
+    adapter: str | None = None
+    cache_salt: str | None = None
+    #: the request id to use where the engine takes one (None: a fresh one)
+    request_id: str | None = None
+    read: Callable[[Any], Any] = output
 
 
 class EngineDriver(abc.ABC):
@@ -43,8 +79,19 @@ class EngineDriver(abc.ABC):
     #: Whether requests go straight to the engine (:meth:`stream_logits`) rather than in batches.
     streams = False
 
-    def __init__(self, lay: Layout):
+    def __init__(self, lay: Layout, options: VLLMOptions):
         self.layout = lay
+        self.options = options
+        self.loras = client.LoRARequests()  #: adapters loaded in this driver's engine, by name
+        #: concurrent ``sample`` calls, one :meth:`run` a batch (a streaming driver streams them instead)
+        self.sampling: AutoBatcher[EngineCall, Any] = AutoBatcher(
+            self._run_locked,
+            batch_size=options.batch_size,
+            timeout=options.timeout,
+            run_in_thread=True,
+            flush=options.flush,
+            name="vllm-sample",
+        )
         #: Serialises use of the engine (it is not thread-safe); the LM uses it as its model lock.
         self.lock = threading.RLock()
         self.batches = 0  #: batches handed to the engine: generate calls and session runs
@@ -76,6 +123,20 @@ class EngineDriver(abc.ABC):
         """Engines behind this driver (vLLM's data-parallel engines, or replicas)."""
         return max(1, self.layout.data_parallel)
 
+    # ---- the two primitives ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def run(self, calls: Sequence[EngineCall]) -> list[Any]:
+        """Run plain engine requests as one batch (no live session); each call's output read by its
+        :attr:`EngineCall.read`, in order."""
+
+    @abc.abstractmethod
+    def engine_call(self, op: EngineOp, *args: Any) -> list[Any]:
+        """Operation ``op`` (:data:`ENGINE_OPS`) on every engine behind this driver; their replies."""
+
+    def before_engine_use(self) -> None:  # noqa: B027 - only a driver with live sessions has any
+        """Called before anything else uses the engine (a parked session would keep it waiting)."""
+
     # ---- rows ---------------------------------------------------------------------------------
 
     @abc.abstractmethod
@@ -84,9 +145,27 @@ class EngineDriver(abc.ABC):
         sequence with a :class:`~genlm_core.Failed` for each request that failed alone; raises if the
         whole batch failed."""
 
-    @abc.abstractmethod
     def uncached_logits(self, request: Request) -> torch.Tensor:
-        """The row of one context computed alone, sharing no cached KV block with anything."""
+        """The row of one context computed alone, salted so that it shares no cached KV block."""
+        return self.capture([request], cache_salt=uuid.uuid4().hex)[0]
+
+    def capture(self, requests: Sequence[Request], cache_salt: str | None = None) -> torch.Tensor:
+        """Logits of each request by one plain batch (:meth:`run`), captured in the engine (with
+        ``cache_salt``: sharing no cached block with other requests)."""
+        assert self.rows is not None
+        ticket = self.rows.prepare(len(requests))
+        finished = False
+        try:
+            calls = [
+                EngineCall(r.token_ids, client.row_params(a), r.adapter, cache_salt, tag)
+                for r, a, tag in zip(requests, ticket.extra_args, ticket.tags, strict=True)
+            ]
+            self.run(calls)
+            rows = self.rows.collect(ticket)
+            finished = True
+            return stack(rows, requests)
+        finally:
+            self.rows.release(ticket, finished)
 
     async def stream_logits(self, request: Request) -> torch.Tensor:
         """One request's row, streamed into the running engine (drivers with :attr:`streams`)."""
@@ -95,34 +174,49 @@ class EngineDriver(abc.ABC):
     def fail_in_flight(self, error: BaseException) -> None:  # noqa: B027 - only streaming drivers hold any
         """Fail every request still in flight with ``error``."""
 
-    # ---- everything else ----------------------------------------------------------------------
+    # ---- written once on the primitives -------------------------------------------------------
 
-    @abc.abstractmethod
     async def sample(
         self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
     ) -> list[int]:
-        """vLLM's own sampling from a validated request; stops at (and drops) one of ``eos``."""
+        """vLLM's own sampling from a validated request; stops at (and drops) one of ``eos``.
+        Concurrent calls share one engine batch (:meth:`run`)."""
+        call = EngineCall(
+            request.token_ids,
+            client.sample_params(max_tokens, eos, temperature, seed),
+            request.adapter,
+            read=functools.partial(client.sampled_tokens, eos=eos),
+        )
+        return await self.sampling.submit(object(), call)  # never shared: each draw is its own
 
-    @abc.abstractmethod
+    def _run_locked(self, calls: list[EngineCall]) -> list[Any]:
+        with self.lock:
+            return self.run(calls)
+
     def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
         """vLLM's own ``logprobs=k`` for the token after each context: its sampler's path, not our
         capture (an independent reference for :mod:`genlm_vllm.tools.selftest`)."""
+        params = client.top_params(k)
+        with self.lock:
+            return self.run([EngineCall(tuple(c), params, read=client.first_token_logprobs) for c in contexts])
 
-    @abc.abstractmethod
     def call_workers(self, method: str, *args: Any) -> list[Any]:
         """Run a :class:`~genlm_vllm.in_engine.capture.RowsExtension` method on every worker; their replies."""
+        return [reply for replies in self.engine_call("collective_rpc", method, args) for reply in replies]
 
-    @abc.abstractmethod
     def load_lora(self, name: str, path: str) -> None:
         """Make adapter ``name`` (a PEFT folder) usable per request."""
+        self.loras.add(name, path)
 
-    @abc.abstractmethod
     def remove_lora(self, name: str) -> None:
         """Forget adapter ``name`` in the engine."""
+        self.before_engine_use()
+        self.engine_call("remove_lora", self.loras.pop_id(name))
 
-    @abc.abstractmethod
     def reset_prefix_cache(self) -> None:
         """Drop what the engine caches between requests (prefix cache, live sessions)."""
+        self.before_engine_use()  # parked sessions hold blocks: the prefix cache cannot be reset under them
+        self.engine_call("reset_prefix_cache")
 
     # ---- the one close path -------------------------------------------------------------------
 
@@ -138,6 +232,7 @@ class EngineDriver(abc.ABC):
             return
         self._closed = True
         try:
+            self.sampling.close()
             self.shutdown()
         except Exception as exc:  # a crashed engine: still free what is ours
             log.warning("%s: vLLM engine shutdown failed: %s: %s", type(self).__name__, type(exc).__name__, exc)

@@ -22,7 +22,7 @@ from genlm_vllm.start.engine_args import engine_kwargs
 from genlm_vllm.start.env import engine_start
 from genlm_vllm.start.files import EngineFiles, remove_files_of_dead_engines
 from genlm_vllm.start.processes import check_main_guard
-from genlm_vllm.vllm_api.client import engine_config
+from genlm_vllm.vllm_api.client import engine_config, longest_context
 from genlm_vllm.vllm_api.release import engine_facts, resolve_runner
 
 log = logging.getLogger("genlm_vllm")
@@ -74,5 +74,5 @@ def check_started(driver: EngineDriver, config: Any, runner: str, sessions: bool
         raise RuntimeError("vLLM turned async scheduling on, which live sessions cannot run with")
     driver.runner = runner
     log.info("vLLM engine up: %s", facts.describe())
-    limit = getattr(config.model_config, "max_model_len", None)
-    driver.context_limit = None if limit is None else int(limit) - 1  # room for the one token vLLM generates
+    limit = longest_context(config)
+    driver.context_limit = None if limit is None else limit - 1  # room for the one token vLLM generates

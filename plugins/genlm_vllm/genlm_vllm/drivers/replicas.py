@@ -9,7 +9,7 @@ others. A request that failed alone inside a replica (its live session's chunk) 
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import logging
 import os
 from collections import OrderedDict
@@ -20,7 +20,7 @@ import torch
 
 from genlm_core import Failed, Request, RowsOut
 from genlm_core.lineage import nearest_prefix
-from genlm_vllm.drivers.base import EngineDriver
+from genlm_vllm.drivers.base import EngineCall, EngineDriver, EngineOp
 from genlm_vllm.drivers.llm import LLMDriver
 from genlm_vllm.layout import Layout, layout
 from genlm_vllm.options import VLLMOptions
@@ -79,7 +79,11 @@ class PrefixRouter:
 
 class ReplicaEngine:
     """One replica, inside a Ray actor: an :class:`~genlm_vllm.drivers.llm.LLMDriver` started from the
-    client's options (``replicas=1``)."""
+    client's options (``replicas=1``). It hosts that driver's own methods (:meth:`call`); only rows are
+    sent in a form of their own (raw float32 bytes)."""
+
+    #: The driver methods a client may call (:meth:`call`).
+    CALLS = frozenset({"run", "engine_call", "load_lora", "remove_lora", "reset_prefix_cache"})
 
     def __init__(self, model: str, options: dict[str, Any]):
         own = VLLMOptions(**{**options, "replicas": 1})
@@ -95,52 +99,25 @@ class ReplicaEngine:
             "runner": self.driver.runner,
         }
 
+    def call(self, method: str, *args: Any) -> Any:
+        """The driver's ``method`` (one of :data:`CALLS`), under its lock."""
+        if method not in self.CALLS:
+            raise ValueError(f"a replica does not take {method!r}: one of {sorted(self.CALLS)}")
+        with self.driver.lock:
+            return getattr(self.driver, method)(*args)
+
     @staticmethod
     def _requests(contexts: list[list[int]], adapters: list[str | None]) -> list[Request]:
         return [Request(tuple(c), a) for c, a in zip(contexts, adapters, strict=True)]
-
-    @staticmethod
-    def _raw(rows: Any) -> tuple[int, bytes]:
-        out = torch.stack(list(rows)).to(torch.float32).contiguous()
-        return out.shape[1], out.numpy().tobytes()
 
     def logits(self, contexts: list[list[int]], adapters: list[str | None]) -> tuple[int, bytes, dict[int, str]]:
         """The rows of a share as raw float32 bytes, and the requests that failed alone (by index, the error)."""
         with self.driver.lock:
             return pack_rows(self.driver.logits(self._requests(contexts, adapters)))
 
-    def uncached_logits(self, context: list[int], adapter: str | None) -> tuple[int, bytes]:
+    def uncached_logits(self, context: list[int], adapter: str | None) -> tuple[int, bytes, dict[int, str]]:
         with self.driver.lock:
-            return self._raw([self.driver.uncached_logits(Request(tuple(context), adapter))])
-
-    def sample(
-        self,
-        context: list[int],
-        max_tokens: int,
-        eos: tuple[int, ...],
-        temperature: float,
-        seed: int | None,
-        adapter: str | None,
-    ) -> list[int]:
-        request = Request(tuple(context), adapter)
-        return asyncio.run(self.driver.sample(request, max_tokens, tuple(eos), temperature, seed))
-
-    def load_lora(self, name: str, path: str) -> None:
-        self.driver.load_lora(name, path)
-
-    def remove_lora(self, name: str) -> None:
-        with self.driver.lock:
-            self.driver.remove_lora(name)
-
-    def top_logprobs(self, contexts: list[list[int]], k: int) -> list[dict[int, float]]:
-        return self.driver.top_logprobs(contexts, k)
-
-    def reset_prefix_cache(self) -> None:
-        with self.driver.lock:
-            self.driver.reset_prefix_cache()
-
-    def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return self.driver.call_workers(method, *args)
+            return pack_rows(self.driver.uncached_logits(Request(tuple(context), adapter))[None])
 
     def close(self) -> None:
         self.driver.close()
@@ -170,8 +147,8 @@ def wait_for_replicas(actors: list[Any], every: float = 30.0) -> list[dict[str, 
 class ReplicaDriver(EngineDriver):
     """``replicas=N`` engines (Ray actors) behind one driver."""
 
-    def __init__(self, actors: list[Any], infos: list[dict[str, Any]], lay: Layout):
-        super().__init__(lay)
+    def __init__(self, actors: list[Any], infos: list[dict[str, Any]], options: VLLMOptions, lay: Layout):
+        super().__init__(lay, options)
         self.actors = actors
         self.infos = infos
         self.router = PrefixRouter(len(actors))
@@ -199,7 +176,7 @@ class ReplicaDriver(EngineDriver):
                 ray.kill(actor)
             raise
         log.info("vLLM replicas on %s", ", ".join(f"{i['node']} (pid {i['pid']})" for i in infos))
-        return cls(actors, infos, lay)
+        return cls(actors, infos, options, lay)
 
     @property
     def engine_count(self) -> int:
@@ -216,15 +193,19 @@ class ReplicaDriver(EngineDriver):
             self.router.dead.add(replica)
         return ReplicaError(f"{self._name(replica)} failed: {type(exc).__name__}: {exc}")
 
+    def _shares(self, contexts: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+        """The router's choice for each context, as each replica's share (indices, in order)."""
+        shares: dict[int, list[int]] = {}
+        for index, replica in enumerate(self.router.assign(contexts)):
+            shares.setdefault(replica, []).append(index)
+        return shares
+
     # ---- rows ---------------------------------------------------------------------------------
 
     def logits(self, requests: Sequence[Request]) -> list[torch.Tensor | Failed]:
         import ray
 
-        chosen = self.router.assign([r.token_ids for r in requests])
-        shares: dict[int, list[int]] = {}
-        for index, replica in enumerate(chosen):
-            shares.setdefault(replica, []).append(index)
+        shares = self._shares([r.token_ids for r in requests])
         pending = {
             replica: self.actors[replica].logits.remote(
                 [list(requests[i].token_ids) for i in idx], [requests[i].adapter for i in idx]
@@ -248,41 +229,50 @@ class ReplicaDriver(EngineDriver):
 
         replica = self.router.assign([request.token_ids])[0]
         try:
-            width, data = ray.get(self.actors[replica].uncached_logits.remote(list(request.token_ids), request.adapter))
+            width, data, failed = ray.get(
+                self.actors[replica].uncached_logits.remote(list(request.token_ids), request.adapter)
+            )
         except Exception as exc:
             raise self._error(replica, exc) from exc
-        return _rows(width, data, 1)[0]
+        row = unpack_rows(width, data, failed, 1, self._name(replica))[0]
+        if isinstance(row, Failed):
+            raise row.error
+        return row
 
-    # ---- sampling and the rest ----------------------------------------------------------------
+    # ---- the primitives -----------------------------------------------------------------------
 
-    async def sample(
-        self, request: Request, max_tokens: int, eos: tuple[int, ...], temperature: float, seed: int | None
-    ) -> list[int]:
-        replica = self.router.assign([request.token_ids])[0]
-        ref = self.actors[replica].sample.remote(
-            list(request.token_ids), max_tokens, eos, temperature, seed, request.adapter
-        )
-        try:
-            return await ref
-        except Exception as exc:
-            raise self._error(replica, exc) from exc
+    def run(self, calls: Sequence[EngineCall]) -> list[Any]:
+        """Each call on the replica the router picks for its context; each share as one batch there."""
+        import ray
+
+        shares = self._shares([c.token_ids for c in calls])
+        pending = {
+            replica: self.actors[replica].call.remote(
+                "run", [dataclasses.replace(calls[i], token_ids=list(calls[i].token_ids)) for i in idx]
+            )
+            for replica, idx in shares.items()
+        }
+        self.batches += 1
+        out: list[Any] = [None] * len(calls)
+        for replica, idx in shares.items():
+            try:
+                results = ray.get(pending[replica])
+            except Exception as exc:
+                raise self._error(replica, exc) from exc
+            for i, result in zip(idx, results, strict=True):
+                out[i] = result
+        return out
+
+    def engine_call(self, op: EngineOp, *args: Any) -> list[Any]:
+        """The operation on every replica's engines, replica by replica."""
+        return [reply for replies in self._on_every_replica("engine_call", op, *args) for reply in replies]
 
     def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        return ray.get([a.call.remote(method, *args) for a in self.actors])
 
-    def top_logprobs(self, contexts: Sequence[Sequence[int]], k: int) -> list[dict[int, float]]:
-        """Each context on the replica the router picks for it."""
-        import ray
-
-        chosen = self.router.assign(contexts)
-        refs = [self.actors[r].top_logprobs.remote([list(c)], k) for c, r in zip(contexts, chosen)]
-        return [reply[0] for reply in ray.get(refs)]
-
-    def call_workers(self, method: str, *args: Any) -> list[Any]:
-        """Every replica's workers' replies, replica by replica."""
-        return [reply for replies in self._on_every_replica("call_workers", method, *args) for reply in replies]
+    # ---- what each replica's own driver keeps -------------------------------------------------
 
     def load_lora(self, name: str, path: str) -> None:
         self._on_every_replica("load_lora", name, path)
@@ -291,7 +281,7 @@ class ReplicaDriver(EngineDriver):
         self._on_every_replica("remove_lora", name)
 
     def reset_prefix_cache(self) -> None:
-        self._on_every_replica("reset_prefix_cache")
+        self._on_every_replica("reset_prefix_cache")  # each replica ends its live sessions first
 
     def shutdown(self) -> None:
         import ray

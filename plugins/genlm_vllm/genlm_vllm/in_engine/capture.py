@@ -55,16 +55,15 @@ from genlm_vllm.transport.keys import (
     worker_nap,
 )
 from genlm_vllm.transport.shm import Segment
+from genlm_vllm.vllm_api import worker
 from genlm_vllm.vllm_api.fixes import apply_cpu_fixes
 from genlm_vllm.vllm_api.release import (
     BatchUpdate,
     LogitsContext,
     LogitsProcRequestState,
-    MoveDirectionality,
     V1LogitsProcessor,
     V2LogitsProcessor,
 )
-from genlm_vllm.vllm_api.worker import group_path, nap_while_waiting, parallel_ranks
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +78,15 @@ def set_up_this_process(vllm_config: Any) -> None:
     apply_cpu_fixes()
     nap = worker_nap(vllm_config)
     if nap is not None:
-        nap_while_waiting(nap)
+        worker.nap_while_waiting(nap)
 
 
 def is_row_writer() -> bool:
     """Whether this process writes rows: TP rank 0 of the last PP stage (True without parallelism)."""
-    groups = parallel_ranks()
-    if groups is None:  # no process groups: a single process
+    place = worker.parallel_place()
+    if place is None:  # no process groups: a single process
         return True
-    tp, pp = groups
-    return tp.rank_in_group == 0 and pp.is_last_rank
+    return place.tp_rank == 0 and place.last_stage
 
 
 def _segment(path: str, n: int, width: int) -> Segment:
@@ -186,19 +184,19 @@ class CaptureLogits(V1LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         if batch_update is None:
             return
-        for index in batch_update.removed:
+        removed, added, moved = worker.batch_changes(batch_update)
+        for index in removed:
             self.slots.pop(index, None)
-        for index, params, prompt, output_ids in batch_update.added:
-            args = (params.extra_args or {}) if params is not None else {}
+        for index, args, prompt, output_ids in added:
             if TAG in args and prompt is not None:
                 self.slots[index] = (args, prompt, output_ids)
             else:
                 self.slots.pop(index, None)
-        for a, b, direction in batch_update.moved:
+        for a, b, swapped in moved:
             moving_a, moving_b = self.slots.pop(a, None), self.slots.pop(b, None)
             if moving_a is not None:
                 self.slots[b] = moving_a
-            if direction == MoveDirectionality.SWAP and moving_b is not None:
+            if swapped and moving_b is not None:
                 self.slots[a] = moving_b
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -241,11 +239,11 @@ class CaptureLogitsV2(V2LogitsProcessor):
         self.writer: bool | None = None
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
-        args = (sampling_params.extra_args or {}) if sampling_params is not None else {}
+        args = worker.request_args(sampling_params)
         if TAG not in args:
             self.wanted.pop(req_idx, None)  # a recycled slot: forget its last occupant
             return False
-        length = int(self.req_states.prefill_len.np[req_idx])
+        length = worker.prefill_length(self.req_states, req_idx)
         expected = args.get(CONTEXT)
         if expected is not None and int(expected[0]) != length:
             log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", args[TAG])
@@ -255,11 +253,11 @@ class CaptureLogitsV2(V2LogitsProcessor):
         return True
 
     def apply(self, logits: torch.Tensor, ctx: LogitsContext) -> torch.Tensor:
-        if not self.wanted or not any(int(slot) in self.wanted for slot in ctx.idx_mapping_np):
+        if not self.wanted or not any(int(slot) in self.wanted for slot in worker.step_slots(ctx)):
             return logits
         if self.writer is None:
             self.writer = is_row_writer()
-        slots, positions = ctx.expanded_idx_mapping.tolist(), ctx.pos.tolist()
+        slots, positions = worker.step_rows(ctx)
         rows = []
         for row, (slot, position) in enumerate(zip(slots, positions, strict=True)):
             want = self.wanted.get(slot)
@@ -276,8 +274,9 @@ class CaptureLogitsV2(V2LogitsProcessor):
         if expected is None:
             return True
         length = want.position + 1
-        at = torch.tensor(fingerprint_positions(length), device=self.req_states.all_token_ids.gpu.device)
-        sampled = self.req_states.all_token_ids.gpu[slot, at].tolist()  # only the ids the fingerprint reads
+        history = worker.token_history(self.req_states)
+        at = torch.tensor(fingerprint_positions(length), device=history.device)
+        sampled = history[slot, at].tolist()  # only the ids the fingerprint reads
         if fingerprint(length, sampled) == list(expected):
             return True
         log.error("genlm-vllm: request %s runs on another context than it was issued for; no row", want.args[TAG])
@@ -329,19 +328,18 @@ class RowsExtension:
         import os
         import socket
 
-        groups = parallel_ranks()
-        assert groups is not None, "genlm_where runs in vLLM's workers"
-        tp, pp = groups
+        place = worker.parallel_place()
+        assert place is not None, "genlm_where runs in vLLM's workers"
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "node": os.environ.get("VLLM_HOST_IP") or _ray_node_address(),
-            "tp_rank": tp.rank_in_group,
-            "pp_rank": pp.rank_in_group,
+            "node": worker.node_address() or _ray_node_address(),
+            "tp_rank": place.tp_rank,
+            "pp_rank": place.pp_rank,
             "writer": is_row_writer(),
             "rows_written": ROWS_WRITTEN,
-            "tp_path": group_path(tp) if tp.world_size > 1 else None,
-            "pp_path": group_path(pp) if pp.world_size > 1 else None,
+            "tp_path": place.tp_path,
+            "pp_path": place.pp_path,
         }
 
 

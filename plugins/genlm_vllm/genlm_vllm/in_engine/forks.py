@@ -32,21 +32,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genlm_vllm.transport.keys import FORK
-from genlm_vllm.vllm_api.release import (
-    KVCacheBlockCopy,
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    SupportsHMA,
-)
-from genlm_vllm.vllm_api.worker import ConnectorBlocks, connector_metadata, copy_kv_blocks, exact_session_block_hashes
+from genlm_vllm.vllm_api import worker
+from genlm_vllm.vllm_api.release import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, SupportsHMA
 
 
 @dataclass
 class ForkCopies(KVConnectorMetadata):
-    """One step's block copies, ``(parent block, child block)``, for the workers."""
+    """One step's block copies, vLLM's ``KVCacheBlockCopy`` of ``(parent block, child block)``, for the workers."""
 
-    copies: list[KVCacheBlockCopy] = field(default_factory=list)
+    copies: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -65,27 +59,29 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
-        self.block_size = vllm_config.cache_config.block_size
-        self.num_blocks = kv_cache_config.num_blocks
+        setup = worker.connector_setup(vllm_config, role, kv_cache_config)
+        self.block_size = setup.block_size
+        self.num_blocks = setup.blocks
         # One KV cache group (plain attention): hybrid models keep prefix caching only.
-        self.enabled = len(kv_cache_config.kv_cache_groups) == 1
+        self.enabled = setup.groups == 1
         self._requests: dict[str, Any] = {}  # every request in the scheduler, by id (scheduler side)
         self._planned: dict[str, _Planned] = {}
-        self._copies: list[KVCacheBlockCopy] = []
-        self._blocks = ConnectorBlocks()  # every request's block ids, however this vLLM exposes them
+        self._copies: list[Any] = []  # vLLM's KVCacheBlockCopy of each block to copy this step
+        self._blocks = worker.ConnectorBlocks()  # every request's block ids, however this vLLM exposes them
         self._kv_caches: list[Any] = []  # worker side
-        if role == KVConnectorRole.SCHEDULER:
-            exact_session_block_hashes()  # this process runs the scheduler: sessions resume with exact hashes
+        if setup.scheduler_side:
+            worker.exact_session_block_hashes()  # this process runs the scheduler: sessions resume with exact hashes
 
     # ---- scheduler side ----
 
     def on_new_request(self, request: Any) -> None:
-        self._requests[request.request_id] = request
+        self._requests[worker.request_key(request)] = request
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        self._planned.pop(request.request_id, None)
-        self._blocks.finished(request.request_id)
+        key = worker.request_key(request)
+        self._requests.pop(key, None)
+        self._planned.pop(key, None)
+        self._blocks.finished(key)
         return False, None  # nothing held: vLLM frees the blocks now
 
     def request_finished_all_groups(
@@ -94,37 +90,32 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
         return self.request_finished(request, [])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        self._planned.pop(request.request_id, None)
-        args = request.sampling_params.extra_args if request.sampling_params is not None else None
-        parent_id = args.get(FORK) if args else None
+        key, args, length = worker.fork_wanted(request)
+        self._planned.pop(key, None)
+        parent_id = args.get(FORK)
         if parent_id is None or not self.enabled:
             return 0, False
         parent = self._requests.get(parent_id)
-        end = request.num_tokens - 1  # the child computes at least its last token itself
-        if (
-            parent is None
-            or parent.lora_request != request.lora_request
-            or parent.num_computed_tokens < end
-            or end <= num_computed_tokens
-            or parent.all_token_ids[:end] != request.all_token_ids[:end]
-        ):
+        end = length - 1  # the child computes at least its last token itself
+        if parent is None or end <= num_computed_tokens or not worker.holds_prefix(parent, request, end):
             return 0, False
-        self._planned[request.request_id] = _Planned(parent_id, num_computed_tokens, end)
+        self._planned[key] = _Planned(parent_id, num_computed_tokens, end)
         return end - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        key = worker.request_key(request)
         if self.enabled:
-            self._blocks.allocated(self, request.request_id, blocks)
-        plan = self._planned.pop(request.request_id, None)
+            self._blocks.allocated(self, key, blocks)
+        plan = self._planned.pop(key, None)
         if plan is None or num_external_tokens == 0:
             return
         assert plan.end - plan.start == num_external_tokens
         first, last = plan.start // self.block_size, (plan.end - 1) // self.block_size
         parent_blocks = self._blocks.of(self, plan.parent)
-        (child_blocks,) = blocks.get_block_ids()
+        child_blocks = worker.allocated_block_ids(blocks)
         # Preemption frees blocks only before new requests are scheduled, and then none is.
         assert len(parent_blocks) > last and len(child_blocks) > last, "fork: a block is missing"
-        self._copies.extend(KVCacheBlockCopy(parent_blocks[i], child_blocks[i]) for i in range(first, last + 1))
+        self._copies.extend(worker.block_copies((parent_blocks[i], child_blocks[i]) for i in range(first, last + 1)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self.enabled:
@@ -138,9 +129,9 @@ class ForkConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches = list(kv_caches.values())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = connector_metadata(self)
+        meta = worker.connector_metadata(self)
         if isinstance(meta, ForkCopies) and meta.copies:
-            copy_kv_blocks(self._kv_caches, self.num_blocks, meta.copies)
+            worker.copy_kv_blocks(self._kv_caches, self.num_blocks, meta.copies)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -17,7 +17,7 @@ from genlm_vllm.vllm_api import client, release
 
 log = logging.getLogger(__name__)
 
-BIND = "VLLM_CPU_OMP_THREADS_BIND"
+BIND = release.THREADS_BIND_VARIABLE
 
 
 def allowed_cores() -> list[int]:
@@ -60,13 +60,13 @@ def threads_bind(ranks: int, cores: list[int]) -> str:
 def engine_env(lay: Layout, runner: str | None = None) -> dict[str, str]:
     """Environment variables the engine (and the processes it spawns) must start with; ``runner``
     ("v1" or "v2") pins vLLM's model runner in all of them."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if lay.multiprocess else "0"}
+    env = {release.MULTIPROCESSING_VARIABLE: "1" if lay.multiprocess else "0"}
     if runner is not None:
         env.update(release.runner_env(runner))
     if lay.ray and (address := lay.ray_address or _connected_ray_address()):
         env["RAY_ADDRESS"] = address  # an engine core in its own process joins the same cluster
     if lay.spawns:
-        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # forking a process that holds threads is unsafe
+        env[release.WORKER_START_VARIABLE] = "spawn"  # forking a process that holds threads is unsafe
         if release.on_cpu_build() and not lay.ray:
             bind = os.environ.get(BIND)
             if bind is None or bind == "auto":  # vLLM's auto binding needs one NUMA node per rank

@@ -7,8 +7,9 @@ The CUDA build cannot run on a machine without a GPU, but its sources can be rea
 :mod:`ast` (nothing of the release is imported):
 
 1. every name :mod:`genlm_vllm.vllm_api` imports from ``vllm`` (lazy imports too) exists there;
-2. every :data:`~genlm_vllm.vllm_api.manifest.INTERFACES` entry exists, accepts the parameters we pass by
-   name, and has the attributes we read;
+2. every :data:`~genlm_vllm.vllm_api.manifest.INTERFACES` entry exists (classes, functions, methods,
+   settings in ``envs.py``), accepts the parameters we pass by name (or, for a method we override, those
+   our override takes), and has the attributes we read (along its bases, wherever they are defined);
 3. each vLLM class we subclass (both logits-processor interfaces, the KV-connector base) has no
    abstract method our class leaves out, and every method we override takes the parameters the
    release's base declares, in its order.
@@ -141,6 +142,7 @@ class Release:
         found = _class_member(node, rest)
         if found is not None:
             return found
+        path = self._origin(path, head) or path  # bases are named as the class's own file imports them
         for base in node.bases:
             base_name = (
                 base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
@@ -172,6 +174,7 @@ class Release:
         node = self.definition(path, name)
         if not isinstance(node, ast.ClassDef):
             return {}
+        path = self._origin(path, name) or path  # bases are named as the class's own file imports them
         members: dict[str, ast.AST] = {}
         for base in node.bases:
             base_name = base.id if isinstance(base, ast.Name) else None

@@ -4,7 +4,8 @@ engine-side code by, and context fingerprints.
 Both sides import this module: the caller (:mod:`genlm_vllm.transport.channels`, :mod:`genlm_vllm.live`,
 the engine arguments) and the engine's processes (:mod:`genlm_vllm.in_engine.capture`,
 :mod:`genlm_vllm.in_engine.forks`). It imports neither vLLM nor anything that does, and does nothing at
-import. The slot file's format is :mod:`genlm_vllm.transport.shm`'s.
+import; what it reads of vLLM's configuration it reads through :mod:`genlm_vllm.vllm_api.worker`. The
+slot file's format is :mod:`genlm_vllm.transport.shm`'s.
 
 - The ``extra_args`` keys a request carries into the engine (:data:`TAG`, :data:`SLOT`,
   :data:`CONTEXT`, :data:`NORMALISE`, :data:`ON_DEVICE`, :data:`FORK`, :data:`AT`).
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from genlm_core.context import Context
+from genlm_vllm.vllm_api.worker import engine_settings
 
 # ---- extra_args keys ------------------------------------------------------------------------------
 
@@ -54,8 +56,8 @@ WORKER_NAP = "genlm_worker_nap_s"
 
 def worker_nap(vllm_config: Any) -> float | None:
     """The :data:`WORKER_NAP` an engine was started with (None: vLLM's own wait)."""
-    settings = getattr(vllm_config, "additional_config", None)
-    value = settings.get(WORKER_NAP) if isinstance(settings, dict) else None
+    settings = engine_settings(vllm_config)
+    value = settings.get(WORKER_NAP) if settings is not None else None
     return None if value is None else float(value)
 
 

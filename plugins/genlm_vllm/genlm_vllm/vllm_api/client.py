@@ -86,6 +86,19 @@ def row_params(extra_args: dict[str, Any] | None = None) -> Any:
     return SamplingParams(max_tokens=1, detokenize=False, extra_args=extra_args)
 
 
+def chunk_params(extra_args: dict[str, Any]) -> Any:
+    """Parameters of one chunk of a live session: one greedy token (genlm discards it), our ``extra_args``."""
+    return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args=extra_args)
+
+
+def resident_params(max_tokens: int, extra_args: dict[str, Any]) -> Any:
+    """Parameters of a resident request: greedy tokens up to ``max_tokens`` (each replaced by the
+    program's own), the model's EOS ignored, our ``extra_args``."""
+    return SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False, extra_args=extra_args
+    )
+
+
 def top_params(k: int) -> Any:
     """Parameters that ask vLLM's sampler for the ``k`` most likely first tokens' logprobs."""
     return SamplingParams(max_tokens=1, logprobs=k, detokenize=False)
@@ -124,7 +137,7 @@ class LoRARequests:
 
     def add(self, name: str, path: str) -> None:
         self._ids += 1
-        self.by_name[name] = release.loaded().LoRARequest(name, self._ids, path)
+        self.by_name[name] = release.loaded().LoRARequest(lora_name=name, lora_int_id=self._ids, lora_path=path)
 
     def get(self, name: str | None) -> Any:
         """The request of adapter ``name``; None for the base model."""
@@ -142,6 +155,12 @@ def engine_config(engine: Any) -> Any:
     """The ``VllmConfig`` of an ``LLM`` or an ``AsyncLLM``."""
     inner = getattr(engine, "llm_engine", engine)
     return inner.vllm_config
+
+
+def longest_context(config: Any) -> int | None:
+    """The longest context (prompt and output tokens) an engine with this ``VllmConfig`` takes."""
+    limit = getattr(config.model_config, "max_model_len", None)
+    return None if limit is None else int(limit)
 
 
 def vocab_size(engine: Any) -> int:
@@ -296,8 +315,17 @@ class EngineCore:
         self.client.add_request(request)
 
     def step(self) -> list[Any]:
-        """One engine step's outputs (``EngineCoreOutput``: request_id, new_token_ids, prefill_stats)."""
+        """One engine step's outputs (``EngineCoreOutput``: read them with :meth:`outcomes`)."""
         return list(self.client.get_output().outputs)
+
+    @staticmethod
+    def outcomes(outputs: list[Any]) -> list[tuple[str, bool, bool, tuple[int, int, int] | None]]:
+        """A step's outputs, each as ``(request id, whether vLLM finished it, whether it produced a
+        token, its prefill's tokens computed/cached/copied if any: see :func:`prefill_counts`)``."""
+        return [
+            (out.request_id, out.finish_reason is not None, bool(out.new_token_ids), prefill_counts(out))
+            for out in outputs
+        ]
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -339,6 +367,11 @@ class ResidentCore:
         if getattr(runner, "use_async_scheduling", False) or getattr(runner, "speculative_config", None) is not None:
             return None, "the model runner schedules ahead (async scheduling or speculative decoding)"
         return cls(core.scheduler, runner), ""
+
+    @staticmethod
+    def prompt_length(request: Any) -> int:
+        """The prompt tokens of one of the scheduler's requests."""
+        return int(request.num_prompt_tokens)
 
     def request(self, request_id: str) -> Any:
         """The scheduler's request of this id (None once it is finished)."""

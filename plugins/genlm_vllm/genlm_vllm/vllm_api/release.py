@@ -33,6 +33,14 @@ TESTED = {
 RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 #: The variable with which vLLM's CUDA samplers use FlashInfer's top-k/top-p kernels (default on).
 FLASHINFER_SAMPLER_VARIABLE = "VLLM_USE_FLASHINFER_SAMPLER"
+#: Whether vLLM runs its engine core in a process of its own ("1") or in the caller's ("0").
+MULTIPROCESSING_VARIABLE = "VLLM_ENABLE_V1_MULTIPROCESSING"
+#: How vLLM's multiprocess executor starts its workers ("spawn" or "fork").
+WORKER_START_VARIABLE = "VLLM_WORKER_MULTIPROC_METHOD"
+#: The CPU cores each rank's OpenMP threads run on, on vLLM's CPU build ("0-7|8-15", "auto", "nobind").
+THREADS_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
+#: The address vLLM's processes on a node were told the node has.
+HOST_IP_VARIABLE = "VLLM_HOST_IP"
 #: The module of Model Runner V2's logits-processor interface (vLLM 0.32 on; 0.26 has none).
 V2_PROCESSORS_MODULE = "vllm.v1.worker.gpu.sample.logits_processor.interface"
 

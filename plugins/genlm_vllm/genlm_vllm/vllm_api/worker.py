@@ -1,12 +1,18 @@
-"""vLLM inside the model's processes: parallel groups, how workers wait, KV block copies, the
-scheduler's block ids and hashes, and the CPU build's objects that :mod:`~genlm_vllm.vllm_api.fixes`
-patches. Used by the engine-side code (:mod:`genlm_vllm.in_engine`). Imports no vLLM at import.
+"""vLLM inside the model's processes: parallel groups, how workers wait, what the logits processors read
+of a step's batch, what the fork connector reads of the scheduler's requests and blocks, KV block copies,
+the scheduler's block hashes, and the CPU build's objects that :mod:`~genlm_vllm.vllm_api.fixes` patches.
+
+Every attribute the engine-side code (:mod:`genlm_vllm.in_engine`) reads of a vLLM object is read here,
+by an accessor that takes the whole object and returns plain values, once per step or per request (not
+per row). Imports no vLLM at import.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from genlm_vllm.vllm_api import release
@@ -14,14 +20,32 @@ from genlm_vllm.vllm_api import release
 # ---- inside the model's processes ---------------------------------------------------------------
 
 
-def parallel_ranks() -> tuple[Any, Any] | None:
-    """(tensor-parallel group, pipeline-parallel group) of this worker, or None outside vLLM's groups."""
+@dataclass(frozen=True)
+class Place:
+    """Where this worker sits in vLLM's tensor- and pipeline-parallel groups (``GroupCoordinator``s)."""
+
+    tp_rank: int  #: its rank in the tensor-parallel group
+    pp_rank: int  #: its rank in the pipeline-parallel group
+    last_stage: bool  #: whether it runs the pipeline's last stage
+    tp_path: str | None  #: how the tensor-parallel group talks (:func:`group_path`); None for one rank
+    pp_path: str | None  #: how the pipeline-parallel group talks; None for one stage
+
+
+def parallel_place() -> Place | None:
+    """This worker's :class:`Place` in vLLM's groups, or None outside them (a single process)."""
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        return get_tp_group(), get_pp_group()
+        tp, pp = get_tp_group(), get_pp_group()
     except (AssertionError, AttributeError, RuntimeError):
         return None
+    return Place(
+        tp_rank=tp.rank_in_group,
+        pp_rank=pp.rank_in_group,
+        last_stage=pp.is_last_rank,
+        tp_path=group_path(tp) if tp.world_size > 1 else None,
+        pp_path=group_path(pp) if pp.world_size > 1 else None,
+    )
 
 
 def group_path(group: Any) -> str:
@@ -32,6 +56,56 @@ def group_path(group: Any) -> str:
         return type(communicator).__name__
     shm = type(getattr(communicator, "dist_module", None)).__name__ == "_CPUSHMDistributed"
     return "shm" if shm else "torch.distributed"
+
+
+def engine_settings(vllm_config: Any) -> dict[str, Any] | None:
+    """The ``additional_config`` a ``VllmConfig`` was started with (None: none, or not a dict)."""
+    settings = getattr(vllm_config, "additional_config", None)
+    return settings if isinstance(settings, dict) else None
+
+
+def node_address() -> str | None:
+    """The address vLLM was told this node has (``VLLM_HOST_IP``), if any."""
+    return os.environ.get(release.HOST_IP_VARIABLE) or None
+
+
+# ---- the logits processors' view of a batch (genlm_vllm.in_engine.capture) ---------------------------
+
+
+def request_args(sampling_params: Any) -> dict[str, Any]:
+    """A request's ``SamplingParams.extra_args`` ({} for none, or no parameters)."""
+    return (sampling_params.extra_args or {}) if sampling_params is not None else {}
+
+
+def batch_changes(
+    batch_update: Any,
+) -> tuple[Any, list[tuple[int, dict[str, Any], Any, Any]], list[tuple[int, int, bool]]]:
+    """A V1 ``BatchUpdate`` as ``(removed indices, added, moved)``: added as ``(index, extra args,
+    prompt ids, output ids)`` (the id lists are the runner's own), moved as ``(from, to, swapped)``."""
+    swap = release.loaded().MoveDirectionality.SWAP
+    added = [(index, request_args(params), prompt, output) for index, params, prompt, output in batch_update.added]
+    moved = [(a, b, direction == swap) for a, b, direction in batch_update.moved]
+    return batch_update.removed, added, moved
+
+
+def prefill_length(req_states: Any, slot: int) -> int:
+    """Model Runner V2: the tokens a request in ``slot`` was (re)filled with (``prefill_len``)."""
+    return int(req_states.prefill_len.np[slot])
+
+
+def token_history(req_states: Any) -> Any:
+    """Model Runner V2: every request slot's token ids, on the device (``all_token_ids``)."""
+    return req_states.all_token_ids.gpu
+
+
+def step_slots(ctx: Any) -> Any:
+    """Model Runner V2: the request slots of a step's ``LogitsContext`` (a host array, one per request)."""
+    return ctx.idx_mapping_np
+
+
+def step_rows(ctx: Any) -> tuple[list[int], list[int]]:
+    """Model Runner V2: each logits row's request slot and position, of a step's ``LogitsContext``."""
+    return ctx.expanded_idx_mapping.tolist(), ctx.pos.tolist()
 
 
 def nap_while_waiting(seconds: float) -> bool:
@@ -60,6 +134,61 @@ def nap_while_waiting(seconds: float) -> bool:
 
 
 _nap_s: float | None = None  #: the nap of nap_while_waiting, once it has patched this process
+
+
+# ---- the fork connector's view of the scheduler (genlm_vllm.in_engine.forks) ----------------------
+
+
+@dataclass(frozen=True)
+class ConnectorSetup:
+    """What a KV connector is built with, read from vLLM's configuration."""
+
+    block_size: int  #: tokens per KV block (``cache_config.block_size``)
+    blocks: int  #: KV blocks in the cache (``KVCacheConfig.num_blocks``)
+    groups: int  #: KV cache groups (one for plain attention; more for hybrid models)
+    scheduler_side: bool  #: whether this instance is the scheduler's (``KVConnectorRole.SCHEDULER``)
+
+
+def connector_setup(vllm_config: Any, role: Any, kv_cache_config: Any) -> ConnectorSetup:
+    """A KV connector's :class:`ConnectorSetup` from its constructor's arguments."""
+    return ConnectorSetup(
+        block_size=vllm_config.cache_config.block_size,
+        blocks=kv_cache_config.num_blocks,
+        groups=len(kv_cache_config.kv_cache_groups),
+        scheduler_side=role == release.loaded().KVConnectorRole.SCHEDULER,
+    )
+
+
+def request_key(request: Any) -> str:
+    """A scheduler ``Request``'s id."""
+    return str(request.request_id)
+
+
+def fork_wanted(request: Any) -> tuple[str, dict[str, Any], int]:
+    """A new scheduler ``Request``'s ``(id, extra args, tokens it holds)`` ({} for no extra args)."""
+    return request.request_id, request_args(request.sampling_params), request.num_tokens
+
+
+def holds_prefix(parent: Any, child: Any, end: int) -> bool:
+    """Whether scheduler request ``parent`` has computed at least ``end`` tokens, holds the same first
+    ``end`` tokens as ``child`` and runs with the same LoRA adapter."""
+    return (
+        parent.lora_request == child.lora_request
+        and parent.num_computed_tokens >= end
+        and parent.all_token_ids[:end] == child.all_token_ids[:end]
+    )
+
+
+def block_copies(pairs: Any) -> list[Any]:
+    """vLLM's ``KVCacheBlockCopy`` of each ``(source block, target block)``."""
+    copy = release.loaded().KVCacheBlockCopy
+    return [copy(src_block_id=source, dst_block_id=target) for source, target in pairs]
+
+
+def allocated_block_ids(blocks: Any) -> list[int]:
+    """The block ids of ``update_state_after_alloc``'s ``KVCacheBlocks`` (one KV cache group)."""
+    (ids,) = blocks.get_block_ids()
+    return list(ids)
 
 
 def copy_kv_blocks(kv_caches: list[Any], num_blocks: int, copies: list[Any]) -> None:

@@ -1,14 +1,18 @@
 """Check a transformers release's own sources against what genlm-hf relies on, without importing it.
 
-    python -m genlm_hf.contract --installed        # the transformers installed here
-    python -m genlm_hf.contract --newest           # the newest release of TESTED (downloaded once)
-    python -m genlm_hf.contract 'transformers==5.19.0'
+    python -m genlm_hf.tools.contract --installed        # the transformers installed here
+    python -m genlm_hf.tools.contract --newest           # the newest release of TESTED (downloaded once)
+    python -m genlm_hf.tools.contract 'transformers==5.19.0'
 
 Every entry of :data:`genlm_hf.transformers_api.INTERFACES` is looked up in the release's ``.py`` files
 with :mod:`ast` (along base classes, following imports within transformers): it exists, a call passes
 no parameter it lacks and omits none it requires, an overridden method's leading parameters are ours
 in our order, and its instances carry the attributes we read or set. A problem is one line naming the
 internal, the file, and what :mod:`genlm_hf.transformers_api` uses it for.
+
+A developer tool, apart from genlm-hf's runtime: it reads sources with :mod:`genlm_core.testing.sources`
+(part of genlm-core, standard library only; releases are fetched with ``pip download``), so it needs no
+extra.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def check_one(sources: Sources, interface: Interface) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m genlm_hf.contract", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m genlm_hf.tools.contract", description=__doc__.splitlines()[0])
     parser.add_argument("requirements", nargs="*", help="releases to download and check ('transformers==5.19.0')")
     parser.add_argument("--installed", action="store_true", help="check the transformers installed here")
     parser.add_argument("--newest", action="store_true", help=f"check the newest release of transformers{TESTED}")
