@@ -190,6 +190,10 @@ def test_layouts_and_impossible_combinations():
         VLLMOptions(engine_opts={"data_parallel_size": 2})
     with pytest.raises(OptionsError, match="replicas=N runs N LLM engines"):
         VLLMOptions(replicas=2, engine="async")
+    with pytest.raises(OptionsError, match="tensor_parallel_size"):
+        VLLMOptions(engine_opts={"tensor_parallel_size": "two"})
+    with pytest.raises(OptionsError, match="pipeline_parallel_size"):
+        VLLMOptions(engine_opts={"pipeline_parallel_size": 0})
 
 
 def test_async_scheduling_is_off_for_live_sessions_and_vllms_default_elsewhere():

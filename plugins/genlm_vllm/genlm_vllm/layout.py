@@ -20,6 +20,26 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class ParallelSettings(BaseModel):
+    """The parts of ``engine_opts`` (vLLM's own engine arguments, passed on unchanged) that decide an
+    engine's layout, read typed: a wrong type is an error naming the argument, before any engine starts."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    tensor_parallel_size: PositiveInt = Field(1, description="vLLM's tensor-parallel ranks.")
+    pipeline_parallel_size: PositiveInt = Field(1, description="vLLM's pipeline stages.")
+    data_parallel_size: PositiveInt = Field(1, description="vLLM's data-parallel engines (AsyncLLM only).")
+    distributed_executor_backend: str | None = Field(None, description="'mp', 'ray', ... (vLLM's choice if None).")
+    data_parallel_backend: str | None = Field(None, description="'mp' or 'ray' for vLLM's data parallel.")
+
+    @property
+    def ray(self) -> bool:
+        """Whether vLLM runs this engine's workers or engines through Ray."""
+        return self.distributed_executor_backend == "ray" or self.data_parallel_backend == "ray"
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -58,16 +78,14 @@ class Layout:
 
 def layout(options: Any) -> Layout:
     """The layout ``options`` (:class:`~genlm_vllm.VLLMOptions`) ask for; ValueError if impossible."""
-    opts = options.engine_opts
+    parallel = ParallelSettings.model_validate(options.engine_opts)
     streaming = options.engine == "async"
     multiprocess = options.multiprocess
     if multiprocess is None:
         multiprocess = streaming
     if streaming and not multiprocess:
         raise ValueError("engine='async' (AsyncLLM) always runs its engine core in its own process: multiprocess=False")
-    tp = int(opts.get("tensor_parallel_size", 1))
-    pp = int(opts.get("pipeline_parallel_size", 1))
-    dp = int(opts.get("data_parallel_size", 1))
+    tp, pp, dp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.data_parallel_size
     if dp > 1 and not streaming:
         raise ValueError(
             "data_parallel_size > 1 runs only under AsyncLLM (vLLM refuses it for LLM): set engine='async', "
@@ -78,7 +96,7 @@ def layout(options: Any) -> Layout:
             "replicas=N runs N LLM engines as Ray actors: use it with engine='llm' and no data_parallel_size "
             "(for vLLM's own data parallel, use engine='async' with data_parallel_size instead)"
         )
-    ray = opts.get("distributed_executor_backend") == "ray" or opts.get("data_parallel_backend") == "ray"
+    ray = parallel.ray
     automatic = "rpc" if ray else "local" if not multiprocess and tp * pp == 1 else "shm"
     capture = automatic if options.capture == "auto" else options.capture
     if capture == "local" and automatic != "local":

@@ -121,7 +121,12 @@ class VLLMOptions(BackendOptions):
         "otherwise (on, on CUDA: AsyncLLM and plain generate send one-token requests, which vLLM never schedules "
         "past their last token). True is refused with live sessions.",
     )
-    engine_opts: dict[str, Any] = Field(default_factory=dict, description="More keyword arguments for vllm.LLM.")
+    engine_opts: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More keyword arguments for vllm.LLM (or AsyncLLM), passed on unchanged; those that decide the "
+        "layout (tensor/pipeline/data parallel sizes, the executor and data-parallel backends) are also read typed "
+        "(genlm_vllm.layout.ParallelSettings), so a wrong type is an error naming the argument.",
+    )
 
     @model_validator(mode="after")
     def _possible_layout(self) -> VLLMOptions:
