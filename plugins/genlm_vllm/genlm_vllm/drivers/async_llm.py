@@ -200,9 +200,9 @@ class AsyncLLMDriver(EngineDriver):
             self.engine_thread.stop()
 
 
-#: :data:`~genlm_vllm.drivers.base.ENGINE_OPS` on an ``AsyncLLM`` (``collective_rpc`` reaches every
+#: Each :data:`~genlm_vllm.drivers.base.EngineOp` on an ``AsyncLLM`` (``collective_rpc`` reaches every
 #: data-parallel engine: :meth:`AsyncLLMDriver.engine_call`), each a coroutine for the engine loop.
-ASYNC_OPS: dict[str, Callable[..., Any]] = {
+ASYNC_OPS: dict[EngineOp, Callable[..., Any]] = {
     "remove_lora": client.remove_lora_async,
     "reset_prefix_cache": client.reset_prefix_cache_async,
 }

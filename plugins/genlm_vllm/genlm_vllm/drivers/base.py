@@ -13,7 +13,7 @@ channel, live sessions, files its processes leave). Its kinds, one module each, 
 
 As vLLM's executors share ``collective_rpc``, the drivers share two primitives and differ in little
 else: :meth:`EngineDriver.run` (plain engine requests, :class:`EngineCall`, each read where its output
-is produced) and :meth:`EngineDriver.engine_call` (an operation on every engine, :data:`ENGINE_OPS`).
+is produced) and :meth:`EngineDriver.engine_call` (an operation on every engine, :data:`EngineOp`).
 Sampling, vLLM's own top logprobs, a plain captured batch, worker calls, adapters and the prefix cache
 are written once here on those two. What each kind writes itself is where its engine differs: how a
 batch's rows are computed (:meth:`~EngineDriver.logits`: live sessions, streamed requests, or routed
@@ -51,7 +51,6 @@ log = logging.getLogger("genlm_vllm")
 #: The operations :meth:`EngineDriver.engine_call` runs on every engine: each driver maps them to its
 #: engine's adapter call (``vllm.LLM``'s, ``AsyncLLM``'s, or a replica's own driver).
 EngineOp = Literal["collective_rpc", "remove_lora", "reset_prefix_cache"]
-ENGINE_OPS: tuple[EngineOp, ...] = ("collective_rpc", "remove_lora", "reset_prefix_cache")
 
 
 def output(out: Any) -> Any:
@@ -132,7 +131,7 @@ class EngineDriver(abc.ABC):
 
     @abc.abstractmethod
     def engine_call(self, op: EngineOp, *args: Any) -> list[Any]:
-        """Operation ``op`` (:data:`ENGINE_OPS`) on every engine behind this driver; their replies."""
+        """Operation ``op`` (:data:`EngineOp`) on every engine behind this driver; their replies."""
 
     def before_engine_use(self) -> None:  # noqa: B027 - only a driver with live sessions has any
         """Called before anything else uses the engine (a parked session would keep it waiting)."""

@@ -26,8 +26,8 @@ from genlm_vllm.vllm_api import client
 
 log = logging.getLogger("genlm_vllm")
 
-#: :data:`~genlm_vllm.drivers.base.ENGINE_OPS` on a ``vllm.LLM``.
-OPS: dict[str, Callable[..., Any]] = {
+#: Each :data:`~genlm_vllm.drivers.base.EngineOp` on a ``vllm.LLM``.
+OPS: dict[EngineOp, Callable[..., Any]] = {
     "collective_rpc": client.collective_rpc,
     "remove_lora": client.remove_lora,
     "reset_prefix_cache": client.reset_prefix_cache,

@@ -229,15 +229,12 @@ class ReplicaDriver(EngineDriver):
 
         replica = self.router.assign([request.token_ids])[0]
         try:
-            width, data, failed = ray.get(
+            width, data, _ = ray.get(
                 self.actors[replica].uncached_logits.remote(list(request.token_ids), request.adapter)
             )
         except Exception as exc:
             raise self._error(replica, exc) from exc
-        row = unpack_rows(width, data, failed, 1, self._name(replica))[0]
-        if isinstance(row, Failed):
-            raise row.error
-        return row
+        return _rows(width, data, 1)[0]  # one row computed alone: it is there, or the call raised
 
     # ---- the primitives -----------------------------------------------------------------------
 

@@ -330,6 +330,7 @@ class RowsExtension:
 
         place = worker.parallel_place()
         assert place is not None, "genlm_where runs in vLLM's workers"
+        tp_path, pp_path = worker.group_paths()
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -338,8 +339,8 @@ class RowsExtension:
             "pp_rank": place.pp_rank,
             "writer": is_row_writer(),
             "rows_written": ROWS_WRITTEN,
-            "tp_path": place.tp_path,
-            "pp_path": place.pp_path,
+            "tp_path": tp_path,
+            "pp_path": pp_path,
         }
 
 

@@ -27,25 +27,36 @@ class Place:
     tp_rank: int  #: its rank in the tensor-parallel group
     pp_rank: int  #: its rank in the pipeline-parallel group
     last_stage: bool  #: whether it runs the pipeline's last stage
-    tp_path: str | None  #: how the tensor-parallel group talks (:func:`group_path`); None for one rank
-    pp_path: str | None  #: how the pipeline-parallel group talks; None for one stage
 
 
-def parallel_place() -> Place | None:
-    """This worker's :class:`Place` in vLLM's groups, or None outside them (a single process)."""
+def _groups() -> tuple[Any, Any] | None:
+    """(tensor-parallel group, pipeline-parallel group) of this worker, or None outside vLLM's groups."""
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
-        tp, pp = get_tp_group(), get_pp_group()
+        return get_tp_group(), get_pp_group()
     except (AssertionError, AttributeError, RuntimeError):
         return None
-    return Place(
-        tp_rank=tp.rank_in_group,
-        pp_rank=pp.rank_in_group,
-        last_stage=pp.is_last_rank,
-        tp_path=group_path(tp) if tp.world_size > 1 else None,
-        pp_path=group_path(pp) if pp.world_size > 1 else None,
-    )
+
+
+def parallel_place() -> Place | None:
+    """This worker's :class:`Place` in vLLM's groups, or None outside them (a single process). Read
+    each time the capture asks whether this process writes rows: only the ranks."""
+    groups = _groups()
+    if groups is None:
+        return None
+    tp, pp = groups
+    return Place(tp_rank=tp.rank_in_group, pp_rank=pp.rank_in_group, last_stage=pp.is_last_rank)
+
+
+def group_paths() -> tuple[str | None, str | None]:
+    """How this worker's tensor- and pipeline-parallel groups talk (:func:`group_path`; None for a group
+    of one, or outside vLLM's groups): for reports, not for each step."""
+    groups = _groups()
+    if groups is None:
+        return None, None
+    tp, pp = groups
+    return (group_path(tp) if tp.world_size > 1 else None, group_path(pp) if pp.world_size > 1 else None)
 
 
 def group_path(group: Any) -> str:
@@ -166,7 +177,7 @@ def request_key(request: Any) -> str:
 
 def fork_wanted(request: Any) -> tuple[str, dict[str, Any], int]:
     """A new scheduler ``Request``'s ``(id, extra args, tokens it holds)`` ({} for no extra args)."""
-    return request.request_id, request_args(request.sampling_params), request.num_tokens
+    return request_key(request), request_args(request.sampling_params), request.num_tokens
 
 
 def holds_prefix(parent: Any, child: Any, end: int) -> bool:
