@@ -5,7 +5,7 @@ keeps sequences alive between calls (:class:`~genlm_core.live_index.LiveIndex`) 
 sequence of ``ids`` with ``[t]`` instead of computing ``ids + [t]`` again; a router
 (:mod:`genlm_vllm.drivers.replicas`) sends ``ids + [t]`` where ``ids`` was computed. Both ask the same
 question, answered here once: the nearest earlier context that a request extends by at most
-``lookback`` tokens (:func:`nearest_prefix`); :class:`Continuation` is the answer for a live sequence.
+``lookback`` tokens (:func:`prefixes`, :func:`nearest_prefix`); :class:`Continuation` is the answer for a live sequence.
 
 Matching is on the exact token tuple (and adapter), never on object identity, so a row always
 belongs to exactly the context the caller gave. Contexts are keyed by :class:`~genlm_core.request.Request`,
@@ -15,7 +15,7 @@ never a Python pass over it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -28,15 +28,22 @@ H = TypeVar("H")
 LineageKey = Request
 
 
+def prefixes(request: Request, lookback: int, shortest_cut: int = 0) -> Iterator[tuple[int, Request]]:
+    """``request``'s context less ``shortest_cut``, ``shortest_cut + 1``, ..., ``lookback`` trailing
+    tokens (never the empty context), nearest first, as requests under the same adapter:
+    ``(tokens cut, prefix)``. A caller that decides as it goes (the live index's plan) reads these
+    itself; :func:`nearest_prefix` looks each up."""
+    n = len(request)
+    for cut in range(shortest_cut, min(lookback, n - 1) + 1):
+        yield cut, (request if cut == 0 else request.prefix(n - cut))
+
+
 def nearest_prefix(
     lookup: Callable[[Request], V | None], request: Request, lookback: int, shortest_cut: int = 0
 ) -> tuple[int, V] | None:
-    """The first hit of ``lookup`` on ``request``'s context less ``shortest_cut``, ``shortest_cut + 1``,
-    ..., ``lookback`` trailing tokens (never the empty context), as requests under the same
-    adapter: ``(tokens cut, value)``, or None."""
-    n = len(request)
-    for cut in range(shortest_cut, min(lookback, n - 1) + 1):
-        value = lookup(request if cut == 0 else request.prefix(n - cut))
+    """The first hit of ``lookup`` on :func:`prefixes` of ``request``: ``(tokens cut, value)``, or None."""
+    for cut, prefix in prefixes(request, lookback, shortest_cut):
+        value = lookup(prefix)
         if value is not None:
             return cut, value
     return None

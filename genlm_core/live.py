@@ -94,7 +94,8 @@ class Piece(Generic[H]):
     only what was copied into it). ``keep``: the sequence stays live after the batch; False: core
     releases it (through :meth:`LiveEngine.release`) once the batch's rows are out, so the engine need
     not keep what the run adds to it, and never releases it itself. ``index``: the request's place in
-    the batch."""
+    the batch. ``new_tokens``: ``request.token_ids[start:]``, what the engine runs (read once here, so
+    that an engine reading it calls nothing of core's)."""
 
     index: int
     request: Request
@@ -102,10 +103,10 @@ class Piece(Generic[H]):
     start: int
     fresh: bool
     keep: bool = True
+    new_tokens: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    @property
-    def new_tokens(self) -> tuple[int, ...]:
-        return self.request.new_tokens(self.start)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "new_tokens", self.request.new_tokens(self.start))
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from genlm_core.lineage import Continuation, nearest_prefix
+from genlm_core.lineage import Continuation, nearest_prefix, prefixes
 from genlm_core.request import Request
 
 H = TypeVar("H")  #: the engine's handle of one sequence (hashable)
@@ -71,10 +71,7 @@ class LiveIndex(Generic[H]):
 
     def extends_live(self, request: Request) -> bool:
         """Whether ``request`` extends a live context by 1 to ``lookback`` tokens."""
-        live = self._live
-        return (
-            nearest_prefix(lambda key: key if key in live else None, request, self.lookback, shortest_cut=1) is not None
-        )
+        return any(key in self._live for _, key in prefixes(request, self.lookback, shortest_cut=1))
 
     def longest_prefix(self, request: Request) -> tuple[H, int] | None:
         """A sequence in the index and the length of the longest prefix of ``request`` it holds,
@@ -112,19 +109,18 @@ class LiveIndex(Generic[H]):
         continued: dict[Request, H] = {}
         plan: list[Continuation[H] | None] = []
         for request in requests:
-
-            def claim(key: Request) -> tuple[H, bool] | None:
+            step: Continuation[H] | None = None
+            for cut, key in prefixes(request, self.lookback, shortest_cut=1):
                 if key in live:  # a live sequence is continued once; later requests fork it
                     continued[key] = live.pop(key)
-                    return continued[key], False
-                return (continued[key], True) if key in continued else None
-
-            hit = nearest_prefix(claim, request, self.lookback, shortest_cut=1)
-            if hit is None:
-                plan.append(None)
-            else:
-                cut, (handle, fork) = hit
-                plan.append(Continuation(handle, request.new_tokens(len(request) - cut), fork))
+                    fork = False
+                elif key in continued:
+                    fork = True
+                else:
+                    continue
+                step = Continuation(continued[key], request.new_tokens(len(request) - cut), fork)
+                break
+            plan.append(step)
         released = []
         for key in continued:
             self._idle.pop(key, None)

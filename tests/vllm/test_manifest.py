@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import importlib.util
 import logging
@@ -79,6 +80,7 @@ NOT_VLLM_TYPES = (
     concurrent.futures.Future,
     asyncio.AbstractEventLoop,
     threading.Thread,
+    contextvars.ContextVar,
     ast.AST,
     *(cls for cls in vars(ast).values() if isinstance(cls, type) and issubclass(cls, ast.AST)),
 )

@@ -381,7 +381,7 @@ def test_rows_of_failed_or_cancelled_requests_are_freed(lm, hf, monkeypatch):
         bounds.within("vllm modes: beside cancelled vs hf", diff, tol([c for c, _ in kept]))
     else:
         owner, name = (
-            (lm.driver.sessions, "run") if lm.driver.sessions is not None else (lm.driver, "generate")
+            (lm.driver.sessions.live, "run") if lm.driver.sessions is not None else (lm.driver, "generate")
         )  # runs the batch
         run = getattr(owner, name)
 

@@ -21,7 +21,7 @@ from genlm_core.errors import OptionsError
 from genlm_core.request import Request
 from genlm_core.testing import bounds
 from genlm_vllm import VLLMOptions
-from genlm_vllm.in_engine.capture import RowsExtension
+from genlm_vllm.in_engine.capture import RowsExtension, write_rows
 from genlm_vllm.layout import layout
 from genlm_vllm.start.env import engine_env, threads_bind
 from genlm_vllm.start.files import ENGINE_MARK, EngineFiles
@@ -135,14 +135,37 @@ def test_rpc_rows_merge_by_tag_and_drop_failed_ones_on_the_writer():
     assert sent == [failed.tags] and ROWS == {}
 
 
-def test_local_rows_are_taken_once():
-    rows = LocalRows()
-    ticket = rows.prepare(2)
+def test_local_rows_come_back_in_the_inbox_of_the_call_that_asked():
+    """The capture processor, run in the caller's thread while a batch's inbox is open, puts each row
+    there (never in the mailbox); one written in another thread (no inbox there) reaches the caller by
+    its tag through the mailbox; a row of another request never comes back; once released, the inbox
+    is closed (rows go to the mailbox again) and a failed batch's late rows are dropped there."""
+    import threading
+
+    def write(tags: list[str], rows: torch.Tensor) -> None:
+        write_rows([({TAG: tag}, i) for i, tag in enumerate(tags)], rows)
+
+    channel = LocalRows()
+    outer = channel.prepare(1)
+    ticket = channel.prepare(3)
     assert [a[TAG] for a in ticket.extra_args] == ticket.tags
-    ROWS[ticket.tags[1]] = torch.ones(WIDTH)
-    got = rows.collect(ticket)
-    assert got[0] is None and torch.equal(got[1], torch.ones(WIDTH))
-    assert rows.collect(ticket) == [None, None]
+    logits = torch.randn(3, WIDTH)
+    write([ticket.tags[0], "another request"], logits[[0, 2]])
+    elsewhere = threading.Thread(target=write, args=([ticket.tags[2]], logits[[1]]))
+    elsewhere.start()
+    elsewhere.join()
+    assert set(ROWS) == {ticket.tags[2]}  # only the other thread's row went by the mailbox
+    got = channel.collect(ticket)
+    assert torch.equal(got[0], logits[0]) and got[1] is None and torch.equal(got[2], logits[1])
+    assert ROWS == {}
+    channel.release(ticket)
+    write(outer.tags, logits[[2]])  # the outer batch's inbox is open again
+    assert torch.equal(channel.collect(outer)[0], logits[2]) and ROWS == {}
+    channel.release(outer, finished=False)
+    write(outer.tags, logits[[0]])  # no inbox open: a late row of the failed batch waits by its tag
+    assert set(ROWS) == {outer.tags[0]}
+    channel.release(outer, finished=False)
+    assert ROWS == {}
 
 
 @pytest.mark.parametrize(

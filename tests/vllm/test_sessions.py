@@ -191,6 +191,28 @@ def test_a_resampled_steps_rows_come_back_as_one_block_without_a_copy(engine, mo
     check_rows(engine, seen)
 
 
+def test_an_in_process_engines_rows_come_back_up_the_call_that_asked(engine, monkeypatch):
+    """The engine runs in this process: each batch's rows (continued, forked and fresh sessions, and the
+    uncached reference's plain batch) come back in the inbox that batch opened, none through the
+    process-wide mailbox by tag (issue 57 point 4); every row is its context's."""
+    from genlm_vllm.transport import mailbox
+
+    assert engine.driver.layout.capture == "local"
+    kept: list[str] = []
+    keep = mailbox.keep
+    monkeypatch.setattr(mailbox, "keep", lambda tag, row: (kept.append(tag), keep(tag, row)))
+    engine.clear_cache()
+    base = tuple(range(400, 430))
+    seen = []
+    contexts = [(*base, t) for t in range(4)]
+    for step in range(3):
+        rows = engine.batch_next_token_logprobs_sync([list(c) for c in contexts])
+        seen += list(zip(contexts, rows, strict=True))
+        contexts = [(*contexts[i], 70 + step) for i in (0, 0, 3, 1)]  # a fork, a dropped particle
+    check_rows(engine, seen)
+    assert kept == [] and mailbox.waiting() == 0
+
+
 async def test_a_fork_at_a_block_boundary_copies_nothing(engine):
     engine.clear_cache()
     base = tuple(range(600, 600 + 2 * CPU_BLOCK_SIZE))

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from genlm_core import Request
 from genlm_core.live import LiveEngine, LiveOptions, LiveSequences, LiveStats, Piece, Ran
 from genlm_core.rows import rows_block
 from genlm_vllm.options import MAX_IDLE_BATCHES
@@ -233,12 +232,6 @@ class Sessions:
     @property
     def stats(self) -> LiveStats:
         return self.live.stats
-
-    def run(self, requests: Sequence[Request]) -> Ran[torch.Tensor]:
-        """One row per request (a failed one in ``failed``: :meth:`~genlm_core.live.Ran.rows`),
-        continuing live sessions where a request extends one; on return the batch's sessions that
-        did not fail are the live ones."""
-        return self.live.run(requests)
 
     def release_all(self) -> None:
         """Abort every live session (before anything else uses the engine: a parked session keeps

@@ -51,6 +51,10 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
         self.model_lock = driver.lock  # the engine is not thread-safe: one lock for every use of it
         self.context_limit = driver.context_limit
         driver.normalise_rows(self.vocab_size, self.options.rows_on_device)
+        #: whether requests stream into the engine (AsyncLLM) rather than going through the batcher
+        self.streams = driver.streams
+        #: whether the engine hands back rows it normalised where it computed them
+        self.rows_normalised = driver.rows_normalised
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         atexit.register(_cleanup_if_alive, weakref.ref(self))  # engine processes, Ray actors, files
 
@@ -75,16 +79,6 @@ class AsyncVirtualLM(LoRASelection, AsyncLM):
             raise
 
     # ---- logprobs -------------------------------------------------------------------------------
-
-    @property
-    def streams(self) -> bool:  # type: ignore[override]
-        """Whether requests stream into the engine (AsyncLLM) rather than going through the batcher."""
-        return self.driver.streams
-
-    @property
-    def rows_normalised(self) -> bool:  # type: ignore[override]
-        """Whether the engine hands back rows it normalised where it computed them."""
-        return self.driver.rows_normalised
 
     def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
         """The driver's rows for a batch; a request that failed alone (a replica's) is a ``Failed`` row."""

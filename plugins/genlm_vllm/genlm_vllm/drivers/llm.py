@@ -85,7 +85,7 @@ class LLMDriver(EngineDriver):
             return self.capture(requests)
         self.batches += 1
         try:
-            return self.sessions.run(requests).rows()
+            return self.sessions.live.run(requests).rows()
         except BaseException:
             self.before_engine_use()  # a batch that raised leaves nothing alive that a later batch could continue
             raise

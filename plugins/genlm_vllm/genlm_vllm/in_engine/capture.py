@@ -28,8 +28,10 @@ goes depends on the request's extra arguments:
 
 - ``SLOT`` present: into a caller-owned shared-memory slot (:class:`~genlm_vllm.transport.shm.Segment`),
   using a sequence-numbered flag so the caller never mistakes an old or half-written row for its own;
-- otherwise into this process's :mod:`~genlm_vllm.transport.mailbox`, read directly by an in-process caller or
-  fetched with ``collective_rpc("genlm_pop_rows", ...)`` through :class:`RowsExtension`.
+- otherwise, where the caller steps the engine in this thread (an in-process engine), into the inbox its
+  batch opened (:data:`~genlm_vllm.transport.mailbox.INBOX`): the row returns up the call that asked;
+- otherwise into this process's :mod:`~genlm_vllm.transport.mailbox` by tag, fetched with
+  ``collective_rpc("genlm_pop_rows", ...)`` through :class:`RowsExtension`.
 """
 
 from __future__ import annotations
@@ -112,9 +114,12 @@ def write_rows(wanted: list[tuple[dict[str, Any], int]], logits: torch.Tensor) -
         rows = _rows_of(logits, [index for _, index in group], width)
         if not on_device:
             rows = rows.to("cpu")
+        inbox = mailbox.INBOX.get()
         for (args, _), row in zip(group, rows, strict=True):
             slot = args.get(SLOT)
-            if slot is None:
+            if slot is None and inbox is not None:
+                inbox[args[TAG]] = row
+            elif slot is None:
                 mailbox.keep(args[TAG], row)
             else:
                 path, n, slot_width, slot_index, seq = slot

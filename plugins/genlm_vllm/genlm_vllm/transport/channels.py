@@ -2,7 +2,8 @@
 
 Three channels, one per place the logits processor (:mod:`genlm_vllm.in_engine.capture`) can run:
 
-- :class:`LocalRows`: the engine runs in this process; rows are read from memory.
+- :class:`LocalRows`: the engine runs in this process; each batch's rows come back in the inbox its
+  call opened (:data:`~genlm_vllm.transport.mailbox.INBOX`).
 - :class:`SharedMemoryRows`: the processor runs in other processes on this host; each request gets a
   slot in a ``/dev/shm`` file that this object owns, creates, and removes on :meth:`close` (also at
   interpreter exit, and whatever happened to the engine).
@@ -47,6 +48,8 @@ class Ticket:
     tags: list[str]
     extra_args: list[dict[str, Any]]
     slots: list[tuple[Segment, int, int]] = field(default_factory=list)  # (segment, index, sequence number)
+    inbox: dict[str, torch.Tensor] | None = None  #: where an in-process engine puts the rows (LocalRows)
+    opened: Any = None  #: the inbox's ContextVar token, to close it
 
 
 class RowChannel(abc.ABC):
@@ -93,16 +96,34 @@ class RowChannel(abc.ABC):
 
 
 class LocalRows(RowChannel):
-    """The engine runs in this process: rows are taken from its :mod:`~genlm_vllm.transport.mailbox`."""
+    """The engine runs in this process: a batch opens an inbox in the caller's thread
+    (:data:`~genlm_vllm.transport.mailbox.INBOX`, until :meth:`release`), the engine steps in that
+    thread, and the capture processor puts each row there. A row written in another thread (an engine
+    that ran its model in a thread of its own) is taken from the mailbox by its tag instead."""
 
     name = "local"
 
+    def prepare(self, n: int) -> Ticket:
+        ticket = super().prepare(n)
+        ticket.inbox = {}
+        ticket.opened = mailbox.INBOX.set(ticket.inbox)
+        return ticket
+
     def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
-        found = dict(mailbox.take(ticket.tags))
-        return [found.get(tag) for tag in ticket.tags]
+        inbox = ticket.inbox if ticket.inbox is not None else {}
+        rows = [inbox.get(tag) for tag in ticket.tags]
+        missing = [tag for tag, row in zip(ticket.tags, rows, strict=True) if row is None]
+        if missing:
+            found = dict(mailbox.take(missing))
+            rows = [found.get(tag) if row is None else row for tag, row in zip(ticket.tags, rows, strict=True)]
+        return rows
 
     def release(self, ticket: Ticket, finished: bool = True) -> None:
-        mailbox.drop(ticket.tags)
+        if ticket.opened is not None:
+            mailbox.INBOX.reset(ticket.opened)
+            ticket.opened = None
+        if not finished:
+            mailbox.drop(ticket.tags)
 
 
 class SharedMemoryRows(RowChannel):

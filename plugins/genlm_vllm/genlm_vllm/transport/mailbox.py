@@ -1,9 +1,15 @@
-"""Rows captured in this process and not yet taken, by tag: where the capture processor leaves a row
-that no shared-memory slot was given for.
+"""Where the capture processor leaves a row that no shared-memory slot was given for, in the process
+that writes it.
 
-The processor (:mod:`genlm_vllm.in_engine.capture`) puts rows here in whichever process writes them; an
-in-process caller takes them directly (:class:`~genlm_vllm.transport.channels.LocalRows`), a remote one through
-``collective_rpc`` (:class:`~genlm_vllm.in_engine.capture.RowsExtension`). Imports no vLLM.
+- **The inbox of the call that asked** (:data:`INBOX`): an in-process caller
+  (:class:`~genlm_vllm.transport.channels.LocalRows`) opens one for a batch in its own thread, then
+  steps the engine there; the processor (:mod:`genlm_vllm.in_engine.capture`), running inside that
+  step, puts each row in it, so the row comes back up the call that asked for it.
+- **Otherwise, by tag until taken** (:func:`keep`, :func:`take`): a worker process's rows, fetched
+  through ``collective_rpc`` (:class:`~genlm_vllm.in_engine.capture.RowsExtension`), and rows written
+  in a thread with no inbox open (an engine that ran its model in a thread of its own).
+
+Either way a row is matched by its own request's tag. Imports no vLLM.
 """
 
 from __future__ import annotations
@@ -11,11 +17,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import torch
 
 log = logging.getLogger(__name__)
 
+#: The rows of the batch this thread's caller is running, by tag (None: no inbox open here).
+INBOX: ContextVar[dict[str, torch.Tensor] | None] = ContextVar("genlm_vllm_inbox", default=None)
 #: Rows waiting to be taken, by tag; bounded by :data:`MAX_KEPT_ROWS`.
 ROWS: dict[str, torch.Tensor] = {}
 ROWS_LOCK = threading.Lock()
