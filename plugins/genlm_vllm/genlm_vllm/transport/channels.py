@@ -48,8 +48,8 @@ class Ticket:
     tags: list[str]
     extra_args: list[dict[str, Any]]
     slots: list[tuple[Segment, int, int]] = field(default_factory=list)  # (segment, index, sequence number)
-    inbox: dict[str, torch.Tensor] | None = None  #: where an in-process engine puts the rows (LocalRows)
-    opened: Any = None  #: the inbox's ContextVar token, to close it
+    inbox: dict[str, torch.Tensor] = field(default_factory=dict)  #: where an in-process engine puts rows (LocalRows)
+    opened: Any = None  #: the inbox's ContextVar token while it is open (LocalRows)
 
 
 class RowChannel(abc.ABC):
@@ -105,13 +105,11 @@ class LocalRows(RowChannel):
 
     def prepare(self, n: int) -> Ticket:
         ticket = super().prepare(n)
-        ticket.inbox = {}
         ticket.opened = mailbox.INBOX.set(ticket.inbox)
         return ticket
 
     def collect(self, ticket: Ticket) -> list[torch.Tensor | None]:
-        inbox = ticket.inbox if ticket.inbox is not None else {}
-        rows = [inbox.get(tag) for tag in ticket.tags]
+        rows = [ticket.inbox.get(tag) for tag in ticket.tags]
         missing = [tag for tag, row in zip(ticket.tags, rows, strict=True) if row is None]
         if missing:
             found = dict(mailbox.take(missing))
