@@ -28,6 +28,11 @@ per-pair differences, and ``gc``: the median time the cyclic garbage collector r
 the step; measured through ``gc.callbacks``). On CUDA both are timed between ``torch.cuda.synchronize()``
 calls, the step until every particle holds its row (rows stay on the device).
 
+``--live``: batches go through core's live sequences (:class:`genlm_core.live.LiveSequences`, the path of
+genlm-vllm and genlm-llamacpp) over an engine that costs nothing either (``ZeroCostSequences``): the step
+then also pays core's bookkeeping of which particle continues which sequence (plan, place, keep), and
+each timed step is checked to start no fresh sequence (every particle continues its own).
+
 Modes (``--modes``, each cell times them interleaved with the floor): ``lists`` (the program above),
 ``handles`` (the same with ``lm.context`` handles, each particle extending its own with ``ctx.extend``)
 and ``step`` (the whole step as one ``batch_next_token_logprobs`` of the N handles: one submission, one
@@ -61,7 +66,7 @@ byte-level BPE tokenizers with exactly V distinct tokens, built in memory (under
 the LM, which decodes the vocabulary, takes up to another second). Only V matters here: the engine does
 nothing with the tokens.
 
-    python benchmarks/bench_overhead.py [--quick] [--device cuda [--synthetic]]
+    python benchmarks/bench_overhead.py [--quick] [--live] [--device cuda [--synthetic]]
     python benchmarks/bench_overhead.py --n 32,256 --context 24,8000 --vocab 50257 --steps 20 --json out.json
     python benchmarks/bench_overhead.py --quick --profile 50257,256,2000
 
@@ -97,6 +102,8 @@ from _common import ROOT, fmt_s
 import genlm_core
 from genlm_core import AsyncLM, AutoBatcher, Request
 from genlm_core.cli import table
+from genlm_core.live import LiveEngine, LiveSequences, Piece, Ran
+from genlm_core.rows import RowsOut
 
 QUICK = {"n": "32,256", "context": "24,2000", "vocab": "50257", "steps": 8, "breakdown_rounds": 3}
 STAGES = ("tasks", "request", "cache.get", "hash", "batcher", "finish_rows")
@@ -106,14 +113,41 @@ EOT = "<|endoftext|>"
 # ---- the backend ---------------------------------------------------------------------------------
 
 
-class ZeroCostLM(AsyncLM):
-    """An engine that costs nothing: every batch is a slice of one preallocated logits block (no copy)."""
+class ZeroCostSequences(LiveEngine[int, torch.Tensor]):
+    """A live engine that costs nothing (``--live``): sequence ids from a free list, copies that copy
+    nothing, and each batch's rows a slice of the LM's preallocated block. What a step costs beyond the
+    floor is then also core's live-sequence bookkeeping: plan, place, keep (:mod:`genlm_core.live`)."""
 
-    def __init__(self, tokenizer: Any, block: torch.Tensor, **options: Any) -> None:
+    def __init__(self, block: torch.Tensor, sequences: int) -> None:
+        self.block = block
+        self.free = list(range(sequences))
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def release(self, seqs: Sequence[int]) -> None:
+        self.free.extend(seqs)
+
+    def copy(self, source: int, target: int, length: int) -> bool:
+        return True
+
+    def run(self, pieces: Sequence[Piece[int]], make_room: Callable[[], bool]) -> Ran[torch.Tensor]:
+        return Ran(self.block[: len(pieces)])
+
+
+class ZeroCostLM(AsyncLM):
+    """An engine that costs nothing: every batch is a slice of one preallocated logits block (no copy).
+    With ``live``, batches go through core's live sequences (as genlm-vllm's and genlm-llamacpp's do)
+    over :class:`ZeroCostSequences`."""
+
+    def __init__(self, tokenizer: Any, block: torch.Tensor, live: bool = False, **options: Any) -> None:
         super().__init__(tokenizer, **options)
         self.block = block
+        self.sequences = LiveSequences(ZeroCostSequences(block, 4 * len(block) + 8)) if live else None
 
-    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+    def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
+        if self.sequences is not None:
+            return self.sequences.run(requests).rows()
         return self.block[: len(requests)]
 
 
@@ -127,7 +161,7 @@ class ProfiledLM(ZeroCostLM):
         self.on = False
         self._enabled = False
 
-    def forward_batch(self, requests: Sequence[Request]) -> torch.Tensor:
+    def forward_batch(self, requests: Sequence[Request]) -> RowsOut:
         if self.on != self._enabled:
             if self.on:
                 self.profiler.enable()
@@ -285,9 +319,12 @@ GC = GcClock()
 gc.callbacks.append(GC)
 
 
-def counters(lm: AsyncLM) -> tuple[int, int, int]:
+def counters(lm: AsyncLM) -> tuple[int, int, int, int]:
+    """Batches, rows, output-cache hits, and (``--live``) rows computed from a fresh sequence."""
     stats = lm.batcher.stats
-    return stats.batches, stats.items, int(getattr(lm.cache, "hits", 0))
+    sequences = getattr(lm, "sequences", None)
+    fresh = sequences.stats.fresh if sequences is not None else 0
+    return stats.batches, stats.items, int(getattr(lm.cache, "hits", 0)), fresh
 
 
 async def timed_step(particles: Particles, sync: Callable[[], None]) -> tuple[float, float]:
@@ -300,9 +337,11 @@ async def timed_step(particles: Particles, sync: Callable[[], None]) -> tuple[fl
     await particles.step()
     sync()
     seconds = time.perf_counter() - t0
-    batches, items, hits = (a - b for a, b in zip(counters(lm), before))
+    batches, items, hits, fresh = (a - b for a, b in zip(counters(lm), before))
     if (batches, items, hits) != (1, n, 0):
         raise RuntimeError(f"a step was {batches} batches of {items} rows with {hits} cache hits, not 1 x {n}, 0")
+    if fresh:
+        raise RuntimeError(f"--live: {fresh} of a step's rows started a fresh sequence (each should continue one)")
     return seconds, GC.seconds - collecting
 
 
@@ -545,6 +584,7 @@ def main() -> None:
     ap.add_argument("--synthetic", action="store_true", help="synthetic tokenizers for every V (GPT-2's too)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", default=",".join(MODES), help=f"how contexts are handed over: {', '.join(MODES)}")
+    ap.add_argument("--live", action="store_true", help="batches through core's live sequences (ZeroCostSequences)")
     args = ap.parse_args()
     if args.quick:
         for k, v in QUICK.items():
@@ -585,7 +625,7 @@ def main() -> None:
         pool = rng.sample(range(vocab), k=min(vocab, 65536))
         for n in ns:
             t0 = time.perf_counter()
-            lm = ZeroCostLM(tok, block, batch_size=n)
+            lm = ZeroCostLM(tok, block, live=args.live, batch_size=n)
             lm_seconds = time.perf_counter() - t0
             if lm.vocab_size != vocab:
                 raise RuntimeError(f"{what}: the LM's vocabulary has {lm.vocab_size} tokens, not {vocab}")
@@ -633,7 +673,7 @@ def run_profile(
     generator = torch.Generator(device=device).manual_seed(args.seed)
     block = torch.randn(n, vocab, generator=generator, device=device, dtype=torch.float32) * 3
     pool = random.Random(args.seed).sample(range(vocab), k=min(vocab, 65536))
-    lm = ProfiledLM(tok, block, batch_size=n)
+    lm = ProfiledLM(tok, block, live=args.live, batch_size=n)
     try:
         particles = Particles(lm, pool, n, context, args.modes.split(",")[0])
         main_profile = asyncio.run(profile_steps(lm, particles, args.warmup, args.profile_steps))
@@ -673,7 +713,8 @@ def report(cells: list[dict[str, Any]], setup: list[dict[str, Any]], env: dict[s
         )
     head = ["V", "N", "C", "mode", "genlm step", "p25–p75", "floor", "p25–p75", "floor (loop thread)", "ratio"]
     head += ["genlm − floor", "per request", "gc", "target", "met"]
-    print("\ngenlm's step (N particles, zero-cost engine) against the floor (log_softmax of [N, V]), interleaved")
+    engine = "zero-cost engine, through core's live sequences" if args.live else "zero-cost engine"
+    print(f"\ngenlm's step (N particles, {engine}) against the floor (log_softmax of [N, V]), interleaved")
     print(table(head, rows))
 
     scaling = []

@@ -41,6 +41,10 @@ CHUNK = 128
 #: Ids sampled into a context's hash: the last ones and as many spread over the whole.
 HASH_SAMPLE = 32
 
+#: Most links :meth:`Context.prefix` follows back to a context this one was extended from (a live
+#: sequence's few shorter prefixes) before it slices instead.
+PARENT_STEPS = 8
+
 
 def sample_hash(token_ids: Sequence[int], length: int | None = None) -> int:
     """The hash of ``token_ids[:length]`` (all of it by default) that :class:`Context` uses: it reads
@@ -86,11 +90,19 @@ class Context(Sequence[int]):
         _init_root(self, ids, bound)
 
     @classmethod
-    def trusted(cls, token_ids: tuple[int, ...], vocab_size: int | None = None) -> Context:
+    def trusted(
+        cls, token_ids: tuple[int, ...], vocab_size: int | None = None, parent: Context | None = None
+    ) -> Context:
         """A context over ``token_ids``, a tuple of ints the caller has already checked (against
-        ``vocab_size``, or None: not known to be checked, so a model checks it again). Reads nothing."""
+        ``vocab_size``, or None: not known to be checked, so a model checks it again). Reads nothing.
+
+        ``parent``: a context the caller has checked to hold exactly ``token_ids[:-1]``: kept (weakly)
+        as this one's parent, so that :meth:`prefix` of one token less is ``parent`` itself (O(1),
+        and equal to it by identity), as for a context made by :meth:`extend`."""
         ctx = object.__new__(cls)
         _init_root(ctx, token_ids, vocab_size)
+        if parent is not None:
+            ctx._parent = weakref.ref(parent)
         return ctx
 
     # ---- extending -------------------------------------------------------------------------------
@@ -124,9 +136,14 @@ class Context(Sequence[int]):
             raise ValueError(f"prefix length must be in [0, {n}], got {length}")
         if length == n:
             return self
-        parent = self._parent() if self._parent is not None else None
-        if parent is not None and parent._n == length:
-            return parent
+        ancestor: Context | None = self
+        for _ in range(PARENT_STEPS):  # the contexts this one was extended from, if still alive: no copy
+            ref = ancestor._parent  # type: ignore[union-attr]
+            ancestor = ref() if ref is not None else None
+            if ancestor is None or ancestor._n < length:
+                break
+            if ancestor._n == length:
+                return ancestor
         if self._chunks is None and self._flat is not None:  # a flat one (from a tuple): a slice, as a tuple's
             return Context.trusted(self._flat[:length], self._bound)
         chunks, tail = self._chunked()

@@ -9,8 +9,10 @@ question, answered here once: the nearest earlier context that a request extends
 
 Matching is on the exact token tuple (and adapter), never on object identity, so a row always
 belongs to exactly the context the caller gave. Contexts are keyed by :class:`~genlm_core.request.Request`,
-whose hash reads a fixed number of ids: a lookup costs a C-speed slice and comparison of the context,
-never a Python pass over it.
+whose hash reads a fixed number of ids. A request's prefix a few tokens back is, where it can be, the
+very context it was made from (:meth:`~genlm_core.context.Context.prefix`: a handle's parent, or the
+checked context a list extends by one token): then the lookup makes nothing and compares by identity;
+otherwise it costs a C-speed slice and comparison of the context, never a Python pass over it.
 """
 
 from __future__ import annotations

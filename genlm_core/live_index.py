@@ -25,7 +25,7 @@ import numpy as np
 from genlm_core.lineage import Continuation, nearest_prefix, prefixes
 from genlm_core.request import Request
 
-H = TypeVar("H")  #: the engine's handle of one sequence (hashable)
+H = TypeVar("H")  #: the engine's handle of one sequence (hashable; never None, which is what ``take`` gives for none)
 
 
 class LiveIndex(Generic[H]):
@@ -34,8 +34,9 @@ class LiveIndex(Generic[H]):
     ``lookback``: most tokens by which a request may extend a live sequence (also how many shorter
     prefixes of each held context are indexed, for siblings). ``max_idle_batches``: batches in a
     row a live sequence may go unclaimed before :meth:`plan` lets it go (None: until evicted).
-    ``arrays``: keep each held context as an array too, for :meth:`longest_prefix`'s search over
-    any prefix (engines that copy any prefix)."""
+    ``arrays``: let :meth:`longest_prefix` search any prefix of every held context (engines that copy
+    any prefix); it makes each held context's array when it first searches it (kept until the
+    handle holds another), so a batch that only continues and forks reads no whole context."""
 
     def __init__(self, lookback: int = 1, max_idle_batches: int | None = None, arrays: bool = False):
         self.lookback = lookback
@@ -43,9 +44,10 @@ class LiveIndex(Generic[H]):
         self.arrays = arrays
         self._held: dict[H, Request] = {}  # every handle in the index -> the context it holds
         self._live: dict[Request, H] = {}  # unclaimed handles by context, kept longest ago first
-        self._idle: dict[Request, int] = {}  # batches since each live context was last kept
+        self._idle: dict[H, int] = {}  # batches since each live handle was last kept
         self._parents: dict[Request, H] = {}  # a held context less 1..lookback tokens -> its holder
-        self._array: dict[H, np.ndarray] = {}  # held contexts as arrays (with ``arrays``)
+        self._parent_keys: dict[H, list[Request]] = {}  # each handle's keys in ``_parents``
+        self._array: dict[H, np.ndarray] = {}  # held contexts as arrays, made by longest_prefix
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -81,16 +83,20 @@ class LiveIndex(Generic[H]):
         hit = nearest_prefix(self._parents.get, request, self.lookback, shortest_cut=1)
         if hit is not None:
             return hit[1], len(request) - hit[0]
-        if not self.arrays or not self._array:
+        if not self.arrays or not self._held:
             return None
         target = np.asarray(request.token_ids, np.int64)
         best, source = 0, None
-        for handle, held in self._array.items():
-            if self._held[handle].adapter != request.adapter:
+        arrays = self._array
+        for handle, context in self._held.items():
+            if context.adapter != request.adapter:
                 continue
-            n = min(len(held), len(target) - 1)
+            n = min(len(context), len(target) - 1)
             if n <= best:
                 continue
+            held = arrays.get(handle)
+            if held is None:
+                held = arrays[handle] = np.asarray(context.token_ids, np.int64)
             differ = np.flatnonzero(held[:n] != target[:n])
             common = int(differ[0]) if len(differ) else n
             if common > best:
@@ -105,29 +111,31 @@ class LiveIndex(Generic[H]):
         release them). A continued sequence is claimed (no longer live, still held) until
         :meth:`keep` or :meth:`forget`; a request extending a sequence that an earlier request of
         the batch continues gets a ``fork``."""
-        live = self._live
+        live, idle = self._live, self._idle
         continued: dict[Request, H] = {}
         plan: list[Continuation[H] | None] = []
         for request in requests:
             step: Continuation[H] | None = None
+            n = len(request)
             for cut, key in prefixes(request, self.lookback, shortest_cut=1):
-                if key in live:  # a live sequence is continued once; later requests fork it
-                    continued[key] = live.pop(key)
+                handle = live.pop(key, None)  # a live sequence is continued once; later requests fork it
+                if handle is not None:
+                    continued[key] = handle
+                    idle.pop(handle, None)
                     fork = False
-                elif key in continued:
-                    fork = True
                 else:
-                    continue
-                step = Continuation(continued[key], request.new_tokens(len(request) - cut), fork)
+                    handle = continued.get(key)
+                    if handle is None:
+                        continue
+                    fork = True
+                step = Continuation(handle, request.new_tokens(n - cut), fork)
                 break
             plan.append(step)
         released = []
-        for key in continued:
-            self._idle.pop(key, None)
-        for key in list(live):
-            self._idle[key] = idle = self._idle.get(key, 0) + 1
-            if self.max_idle_batches is not None and idle > self.max_idle_batches:
-                released.append(live[key])
+        for handle in live.values():
+            idle[handle] = batches = idle.get(handle, 0) + 1
+            if self.max_idle_batches is not None and batches > self.max_idle_batches:
+                released.append(handle)
         self.forget(released)
         return plan, released
 
@@ -135,18 +143,18 @@ class LiveIndex(Generic[H]):
         """``handle`` now holds ``request``'s context, live for the next batch (the newest in line);
         what it held before is forgotten. Returns the handle that held the same context live
         before, if any (forgotten: release it)."""
+        # the new keys first: they are the shorter contexts the handle held until now, while still alive
+        keys = [prefix for _, prefix in prefixes(request, self.lookback, shortest_cut=1)]
         self._forget_one(handle)
         before = self._live.get(request)
         if before is not None:
             self._forget_one(before)
         self._live[request] = handle
-        self._idle[request] = 0
+        self._idle[handle] = 0
         self._held[handle] = request
-        if self.arrays:
-            self._array[handle] = np.asarray(request.token_ids, np.int64)
-        n = len(request)
-        for cut in range(1, min(self.lookback, n - 1) + 1):
-            self._parents[request.prefix(n - cut)] = handle
+        for key in keys:
+            self._parents[key] = handle
+        self._parent_keys[handle] = keys
         return before
 
     def forget(self, handles: Sequence[H]) -> None:
@@ -165,19 +173,18 @@ class LiveIndex(Generic[H]):
     def release_all(self) -> list[H]:
         """Forget every sequence (live or claimed); their handles, to release."""
         handles = list(self._held)
-        self._held, self._live, self._idle, self._parents, self._array = {}, {}, {}, {}, {}
+        self._held, self._live, self._idle, self._parents, self._parent_keys, self._array = {}, {}, {}, {}, {}, {}
         return handles
 
     def _forget_one(self, handle: H) -> None:
         request = self._held.pop(handle, None)
-        self._array.pop(handle, None)
         if request is None:
             return
+        self._array.pop(handle, None)
+        self._idle.pop(handle, None)
         if self._live.get(request) == handle:
             del self._live[request]
-            self._idle.pop(request, None)
-        n = len(request)
-        for cut in range(1, min(self.lookback, n - 1) + 1):
-            key = request.prefix(n - cut)
-            if self._parents.get(key) == handle:
-                del self._parents[key]
+        parents = self._parents
+        for key in self._parent_keys.pop(handle):
+            if parents.get(key) == handle:
+                del parents[key]

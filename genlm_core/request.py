@@ -34,18 +34,20 @@ class Request:
     (made on first use); ``context`` is the handle, for code that should not read the whole context.
     """
 
-    __slots__ = ("_hash", "adapter", "context")
+    __slots__ = ("_hash", "_n", "adapter", "context")
 
     context: Context
     adapter: str | None
     _hash: int
+    _n: int
 
     def __init__(self, token_ids: tuple[int, ...] | Context, adapter: str | None = None):
         """``token_ids``: a context, or a tuple of ids already checked by the caller (it is not read)."""
-        context = as_context(token_ids)
+        context = token_ids if type(token_ids) is Context else as_context(token_ids)
         object.__setattr__(self, "context", context)
         object.__setattr__(self, "adapter", adapter)
         object.__setattr__(self, "_hash", context._hash if adapter is None else hash((context._hash, adapter)))
+        object.__setattr__(self, "_n", context._n)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -53,7 +55,7 @@ class Request:
         return self.context.ids
 
     def __len__(self) -> int:
-        return len(self.context)
+        return self._n
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Request is immutable (cannot set {name!r})")
@@ -66,7 +68,11 @@ class Request:
             return True
         if not isinstance(other, Request):
             return NotImplemented
-        return self._hash == other._hash and self.adapter == other.adapter and self.context == other.context
+        return (
+            self._hash == other._hash
+            and self.adapter == other.adapter
+            and (self.context is other.context or self.context == other.context)
+        )
 
     def __repr__(self) -> str:
         ids = self.context
@@ -232,9 +238,8 @@ class ContextChecker:
                                     ids = None
                             if ids is not None:
                                 self.extended += 1
-                                return self._remember(
-                                    Request(Context.trusted(untrack_ids(ids), self.vocab_size), adapter)
-                                )
+                                context = Context.trusted(untrack_ids(ids), self.vocab_size, parent.context)
+                                return self._remember(Request(context, adapter))
         self.checked += 1
         ids = untrack_ids(check_token_ids(token_ids, self.vocab_size))
         return self._remember(Request(Context.trusted(ids, self.vocab_size), adapter))

@@ -411,4 +411,129 @@ def test_long_lists_compared_by_address_or_by_value_are_exactly_the_context_give
             continue
         got = checker.request(context, None)
         assert got.token_ids == expected and all(type(i) is int for i in got.token_ids)
+        assert got.prefix(len(expected) - 1).token_ids == expected[:-1]  # the checked parent, where it links one
     assert calls["same"] > 50 and calls["address"] > calls["same"] and checker.extended > 100
+
+
+# ---- live sequences: a step reads no whole context -----------------------------------------------
+
+
+def test_a_prefix_a_few_tokens_back_is_the_context_it_was_extended_from():
+    """A context made by extending (a handle), or by the checker from a checked context and one new id
+    (a list), finds its recent prefixes by following what it was made from: the very context, no copy.
+    Every prefix of every length equals the slice of the ids, linked or not, and once the contexts it
+    was made from are gone it slices."""
+    import gc
+
+    from genlm_core.context import PARENT_STEPS, Context
+
+    rng = random.Random(3)
+    chain = [Context([rng.randrange(50) for _ in range(300)], 50)]
+    for _ in range(PARENT_STEPS + 3):
+        chain.append(chain[-1].extend(rng.randrange(50)))
+    chain.append(chain[-1].extend([1, 2, 3]))  # several ids at once: one link
+    last = chain[-1]
+    ids = last.ids
+    for length in range(1, len(ids) + 1):
+        assert last.prefix(length) == ids[:length]
+    linked = {len(c): c for c in chain[-1 - PARENT_STEPS :]}
+    for length, context in linked.items():
+        assert last.prefix(length) is context
+    assert last.prefix(len(chain[0])).ids == chain[0].ids
+
+    checker = ContextChecker(vocab_size=50)
+    caller = list(chain[0].ids)
+    first = checker.request(caller, None)
+    caller.append(7)
+    second = checker.request(caller, None)  # by the items' addresses (300 ids)
+    assert second.context.prefix(len(first)) is first.context
+    short = checker.request([1, 2, 3], None)
+    longer = checker.request([1, 2, 3, 4], None)  # by value (under POINTER_COMPARE_MIN)
+    assert longer.context.prefix(3) is short.context
+    edited = list(caller)
+    edited[5] = (edited[5] + 1) % 50  # a position the hash may not read: checked whole, linked to nothing
+    third = checker.request([*edited, 9], None)
+    assert third.prefix(len(edited)).token_ids == tuple(edited)
+    assert third.context.prefix(len(edited)) is not second.context
+
+    kept = second.context.ids
+    del first, chain, linked, last
+    checker.clear()
+    gc.collect()
+    assert second.context.prefix(len(kept) - 1) == kept[:-1]  # its parent is gone: a slice
+
+
+@pytest.mark.parametrize("kind", ["lists", "handles"])
+def test_a_live_step_that_continues_and_forks_reads_no_whole_context(monkeypatch, kind):
+    """The live index plans and keeps a step of long contexts (continued, forked after resampling,
+    one going back a token) without making a context or reading one whole: no context of more than
+    a few ids is made, and no request's ids are read (a search over any prefix, with ``arrays``,
+    reads them only when a request extends no held context). Every plan is checked against the
+    contexts held: the handle continued holds exactly the request less its new tokens. (The first
+    step reads the shorter prefixes of contexts that were made whole, once.)"""
+    import genlm_core.context as context_module
+    from genlm_core.context import Context
+    from genlm_core.live_index import LiveIndex
+
+    vocab, length, n = 1000, 3000, 6
+    rng = random.Random(5)
+    checker = ContextChecker(vocab_size=vocab)
+    index: LiveIndex[int] = LiveIndex(lookback=2, arrays=True)
+    prompt = [rng.randrange(vocab) for _ in range(length)]
+    contexts: list = [list(prompt) + [i] for i in range(n)]
+    if kind == "handles":
+        contexts = [Context(c, vocab) for c in contexts]
+    ask = (lambda c: checker.request(c, None)) if kind == "lists" else (lambda c: Request(c))
+    handles = iter(range(10**6))
+    for context in contexts:
+        index.keep(ask(context), next(handles))
+    reads = {"made": 0, "ids": 0}
+    real_root, real_make, real_ids = context_module._init_root, context_module._make, Request.token_ids
+
+    def watch(on: bool) -> None:
+        if on:
+            monkeypatch.setattr(context_module, "_init_root", counting_root)
+            monkeypatch.setattr(context_module, "_make", counting_make)
+            monkeypatch.setattr(Request, "token_ids", property(counting_ids))
+        else:
+            monkeypatch.undo()
+
+    def counting_root(ctx, ids, bound):
+        reads["made"] += len(ids) > 8
+        return real_root(ctx, ids, bound)
+
+    def counting_make(chunks, tail, size, *args):
+        reads["made"] += size > 8
+        return real_make(chunks, tail, size, *args)
+
+    def counting_ids(request):
+        reads["ids"] += 1
+        return real_ids.fget(request)
+
+    for step in range(6):
+        parents = [rng.randrange(n) for _ in range(n)] if step % 2 else list(range(n))  # resample every other step
+        tokens = [rng.randrange(vocab) for _ in parents]
+        grown = [contexts[p] + [t] if kind == "lists" else contexts[p].extend(t) for p, t in zip(parents, tokens)]
+        requests = [ask(c) for c in grown]
+        unique = list(dict.fromkeys(requests))
+        watch(True)
+        plan, released = index.plan(unique)
+        for request, step_plan in zip(unique, plan, strict=True):
+            if step_plan is not None:  # a fork starts a sequence of its own (a new handle), as live sequences do
+                index.keep(request, next(handles) if step_plan.fork else step_plan.handle)
+        watch(False)
+        if step:  # the first step reads the prefixes of contexts that were made whole, once
+            assert reads == {"made": 0, "ids": 0}, (step, reads)
+        reads.update(made=0, ids=0)
+        assert released == [] and all(p is not None for p in plan)
+        for request, step_plan in zip(unique, plan, strict=True):
+            assert step_plan is not None
+            assert step_plan.new_tokens == request.token_ids[-len(step_plan.new_tokens) :]
+            if not step_plan.fork:
+                assert index.held(step_plan.handle) == request
+            else:  # a sibling: the handle continued first held its parent's context
+                sibling = next(
+                    r for r, q in zip(unique, plan) if q is not None and not q.fork and q.handle == step_plan.handle
+                )
+                assert sibling.token_ids[: len(request) - 1] == request.token_ids[:-1]
+        contexts = grown
