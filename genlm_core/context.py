@@ -136,14 +136,14 @@ class Context(Sequence[int]):
             raise ValueError(f"prefix length must be in [0, {n}], got {length}")
         if length == n:
             return self
-        ancestor: Context | None = self
+        ref = self._parent
         for _ in range(PARENT_STEPS):  # the contexts this one was extended from, if still alive: no copy
-            ref = ancestor._parent  # type: ignore[union-attr]
             ancestor = ref() if ref is not None else None
             if ancestor is None or ancestor._n < length:
                 break
             if ancestor._n == length:
                 return ancestor
+            ref = ancestor._parent
         if self._chunks is None and self._flat is not None:  # a flat one (from a tuple): a slice, as a tuple's
             return Context.trusted(self._flat[:length], self._bound)
         chunks, tail = self._chunked()

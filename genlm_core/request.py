@@ -43,7 +43,7 @@ class Request:
 
     def __init__(self, token_ids: tuple[int, ...] | Context, adapter: str | None = None):
         """``token_ids``: a context, or a tuple of ids already checked by the caller (it is not read)."""
-        context = token_ids if type(token_ids) is Context else as_context(token_ids)
+        context = as_context(token_ids)
         object.__setattr__(self, "context", context)
         object.__setattr__(self, "adapter", adapter)
         object.__setattr__(self, "_hash", context._hash if adapter is None else hash((context._hash, adapter)))
@@ -68,11 +68,7 @@ class Request:
             return True
         if not isinstance(other, Request):
             return NotImplemented
-        return (
-            self._hash == other._hash
-            and self.adapter == other.adapter
-            and (self.context is other.context or self.context == other.context)
-        )
+        return self._hash == other._hash and self.adapter == other.adapter and self.context == other.context
 
     def __repr__(self) -> str:
         ids = self.context
